@@ -9,11 +9,13 @@ from __future__ import annotations
 
 
 class Detokenizer:
-    def __init__(self, tokenizer, prompt_ids: list[int], stop: tuple[str, ...] = ()):
+    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
         self.tokenizer = tokenizer
-        self.ids = list(prompt_ids[-4:])  # a little prompt context for the first tokens
+        # Output text is what decoding the output tokens alone gives (as tokenizer.decode does);
+        # the prompt is not used as context.
+        self.ids: list[int] = []
         self.prefix = 0  # window start
-        self.read = len(self.ids)  # tokens before this are already in `text`
+        self.read = 0  # tokens before this are already in `text`
         self.text = ""
         self.stop = stop
         self.hold = max((len(s) for s in stop), default=1) - 1  # chars a stop string may still claim

@@ -112,15 +112,16 @@ class ModelProposer(Proposer):
     def _grow(self, w: _Work, vals: torch.Tensor, ids: torch.Tensor) -> list[int]:
         """Add one level of children under w.frontier; returns the new node indices."""
         budget = min(w.width, w.item.tree_size - len(w.tree))
-        cands = []  # (score, frontier row, rank): children are allocated before any sampling
+        qv, qi = vals.tolist(), ids.tolist()  # per frontier row: sorted q values and their ids
+        cands = []  # (score, frontier row): children are allocated before any sampling
         for row, (_, score) in enumerate(w.frontier):
-            for r in range(min(self.branch, vals.shape[1])):
-                if float(vals[row, r]) <= 0.0:  # never allocate a child that cannot be drawn
+            for v in qv[row][: self.branch]:
+                if v <= 0.0:  # never allocate a child that cannot be drawn
                     break
-                cands.append((score * float(vals[row, r]), row, r))
+                cands.append((score * v, row))
         cands.sort(key=lambda c: -c[0])
         counts = [0] * len(w.frontier)
-        for _, row, _ in cands[:budget]:
+        for _, row in cands[:budget]:
             counts[row] += 1
         greedy = w.item.params.greedy
         new = []
@@ -129,17 +130,16 @@ class ModelProposer(Proposer):
                 continue
             if greedy:  # deterministic top-b children, each with a point-mass q
                 for r in range(b):
-                    tok = int(ids[row, r])
-                    new.append((w.tree.add(tok, node, [tok], [1.0]), score * float(vals[row, r])))
+                    tok = qi[row][r]
+                    new.append((w.tree.add(tok, node, [tok], [1.0]), score * qv[row][r]))
                 continue
-            q = vals[row].clone()
-            picks = torch.multinomial(q, b, replacement=False, generator=w.item.generator).tolist()
-            support = ids[row].tolist()
+            picks = torch.multinomial(vals[row], b, replacement=False, generator=w.item.generator).tolist()
+            q = list(qv[row])
             for j in picks:  # sibling i was drawn from q without the siblings before it
-                live = q > 0
-                qi = (q[live] / q[live].sum()).tolist()
-                sid = [s for s, keep in zip(support, live.tolist()) if keep]
-                new.append((w.tree.add(support[j], node, sid, qi), score * float(vals[row, j])))
+                total = sum(q)
+                support = [(t, v / total) for t, v in zip(qi[row], q) if v > 0.0]
+                w.tree.add(qi[row][j], node, [t for t, _ in support], [v for _, v in support])
+                new.append((len(w.tree) - 1, score * qv[row][j]))
                 q[j] = 0.0
         w.frontier = new
         return [n for n, _ in new]

@@ -34,7 +34,7 @@ class Request:
         self.draft_length = draft_length
         self.tree_size = tree_size
         self.eos_token_ids = () if params.ignore_eos else eos_token_ids
-        self.detok = Detokenizer(tokenizer, self.prompt_ids, params.stop)
+        self.detok = Detokenizer(tokenizer, params.stop)
         self.stats = RequestStats()
         greedy = params.greedy
         self.draft_generator: torch.Generator | None = None if greedy else make_generator(params.seed, 0)

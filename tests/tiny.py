@@ -1,0 +1,76 @@
+"""Tiny random Llama-family checkpoints built inside the tests, saved as real checkpoint directories
+(config.json, safetensors, tokenizer) so they go through the real loading code."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+SPECIALS = ["<unk>", "<s>", "</s>"]
+EOS_ID = 2
+
+
+def make_tokenizer(vocab_size: int, rename: dict[int, str] | None = None):
+    """A word-level tokenizer over the words w3 .. w{vocab_size-1} plus three specials."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = SPECIALS + [f"w{i}" for i in range(len(SPECIALS), vocab_size)]
+    for i, w in (rename or {}).items():
+        words[i] = w
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                   eos_token="</s>")
+
+
+def make_checkpoint(path: Path, model_type: str = "llama", vocab_size: int = 64, seed: int = 0,
+                    hidden: int = 32, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+                    init_std: float = 0.3, max_positions: int = 256, noise_from: Path | None = None,
+                    noise_std: float = 0.0, rename: dict[int, str] | None = None, **extra) -> Path:
+    """Save a random model of `model_type` (llama, qwen2, qwen3, mistral) into `path`.
+
+    With `noise_from`, start from that checkpoint's weights plus Gaussian noise (a draft that
+    agrees with its target often but not always).
+    """
+    import transformers as tf
+
+    cfg_cls = {"llama": tf.LlamaConfig, "qwen2": tf.Qwen2Config, "qwen3": tf.Qwen3Config,
+               "mistral": tf.MistralConfig}[model_type]
+    cfg = cfg_cls(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+                  num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                  max_position_embeddings=max_positions, initializer_range=init_std,
+                  bos_token_id=1, eos_token_id=EOS_ID, pad_token_id=0, tie_word_embeddings=True,
+                  **extra)
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    if noise_from is not None:
+        src = tf.AutoModelForCausalLM.from_pretrained(noise_from, dtype=torch.float32)
+        model.load_state_dict(src.state_dict())
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * noise_std)
+    else:
+        with torch.no_grad():  # norms and biases away from their 1 and 0, for a sharper test
+            for name, p in model.named_parameters():
+                if name.endswith("bias"):
+                    p.normal_(0.0, 0.1)
+                elif name.endswith("norm.weight"):
+                    p.normal_(1.0, 0.2)
+    model.save_pretrained(path, safe_serialization=True)
+    make_tokenizer(vocab_size, rename).save_pretrained(path)
+    return path
+
+
+def hf_model(path: Path):
+    import transformers as tf
+
+    return tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_greedy(model, prompt: list[int], max_new: int, eos: int | None = EOS_ID) -> list[int]:
+    """The target's own greedy decoding (HF generate, do_sample=False)."""
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False,
+                         eos_token_id=eos, pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    return out[0, len(prompt):].tolist()

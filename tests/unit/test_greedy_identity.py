@@ -1,0 +1,119 @@
+"""Temperature 0: the engine's output is the target's own greedy decoding, whatever the draft."""
+
+import pytest
+import torch
+
+from services.common.loading import load_model
+from services.common.sampling import SamplingParams
+from services.draft.model_proposer import ModelProposer
+from services.draft.ngram import NgramProposer
+from services.scheduler.engine import Engine, EngineConfig
+from tests import tiny
+
+MAX_NEW = 40
+
+
+@pytest.fixture(scope="module")
+def models(tiny_target, tiny_draft):
+    return load_model(str(tiny_target)), load_model(str(tiny_draft)), tiny.hf_model(tiny_target)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    gen = torch.Generator().manual_seed(5)
+    out = [torch.randint(3, 64, (n,), generator=gen).tolist() for n in (3, 9, 17)]
+    out.append([5, 6, 7, 8, 5, 6, 7, 8, 5, 6])  # repetitive: n-gram matches from the start
+    return out
+
+
+def assert_same_or_near_tie(hf, prompt, ours, ref):
+    """Equal, or diverging only where the target's top-2 logits are within 1e-3."""
+    if ours == ref:
+        return
+    i = next(j for j, (a, b) in enumerate(zip(ours, ref)) if a != b) if any(
+        a != b for a, b in zip(ours, ref)) else min(len(ours), len(ref))
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + ref[:i]])).logits[0, -1]
+    top2 = logits.topk(2).values
+    gap = float(top2[0] - top2[1])
+    assert gap < 1e-3, f"diverged at output token {i} with a top-2 gap of {gap}: {ours} vs {ref}"
+
+
+def make_proposer(kind, target, draft):
+    if kind == "none":
+        return None
+    if kind == "ngram":
+        return NgramProposer()
+    if kind == "self":
+        return ModelProposer(target.model, target.config.vocab_size)
+    return ModelProposer(draft.model, target.config.vocab_size)
+
+
+CASES = [("none", 0, None), ("ngram", 4, None), ("ngram", 3, 8), ("self", 5, None), ("self", 3, 7),
+         ("model", 1, None), ("model", 4, None), ("model", 2, 6), ("model", 4, 12), ("model", 6, 24)]
+
+
+@pytest.mark.parametrize("kind,k,tree_size", CASES)
+def test_engine_equals_hf_greedy(models, prompts, kind, k, tree_size):
+    target, draft, hf = models
+    engine = Engine(target, make_proposer(kind, target, draft),
+                    EngineConfig(draft_length=k, tree_size=tree_size, max_batch=3))
+    reqs = engine.generate(prompts, SamplingParams(max_tokens=MAX_NEW))  # 4 prompts, batches of 3
+    for prompt, req in zip(prompts, reqs):
+        ref = tiny.hf_greedy(hf, prompt, MAX_NEW)
+        assert_same_or_near_tie(hf, prompt, req.output_ids, ref)
+    if kind in ("self", "model"):
+        steps = sum(r.stats.steps for r in reqs)
+        assert steps < sum(len(r.output_ids) for r in reqs), "speculation never accepted anything"
+    assert not engine.verifier.active_requests()
+    assert engine.proposer is None or not engine.proposer.active_requests()
+
+
+@pytest.mark.parametrize("kind,k,tree_size", [("self", 8, None), ("self", 4, 10), ("ngram", 6, 12)])
+def test_eos_in_the_middle_of_a_step(models, prompts, kind, k, tree_size):
+    target, draft, hf = models
+    prompt = prompts[1]
+    free = tiny.hf_greedy(hf, prompt, 20, eos=None)
+    eos = free[5]  # make the 6th generated token the end of sequence
+    engine = Engine(target, make_proposer(kind, target, draft), EngineConfig(draft_length=k, tree_size=tree_size))
+    engine.eos_token_ids = (eos,)
+    req = engine.generate([prompt], SamplingParams(max_tokens=20))[0]
+    assert req.output_ids == free[: free.index(eos) + 1]
+    assert req.finish_reason == "stop"
+    if kind == "self":
+        assert req.stats.steps <= 2  # the EOS arrived inside a step that accepted more
+
+
+def test_stop_string_in_the_middle_of_a_step(models, prompts):
+    target, _, hf = models
+    prompt = prompts[2]
+    free = tiny.hf_greedy(hf, prompt, 24, eos=None)
+    tok = target.tokenizer
+    stop = tok.decode(free[6:8])  # two words, e.g. "w12 w40"
+    full = tok.decode(free)
+    engine = Engine(target, ModelProposer(target.model, target.config.vocab_size), EngineConfig(draft_length=8))
+    req = engine.generate([prompt], SamplingParams(max_tokens=24, stop=(stop,)))[0]
+    assert req.text == full[: full.index(stop)]
+    assert stop not in req.text
+    assert req.output_ids == free[: len(req.output_ids)] and len(req.output_ids) < 24
+    assert req.finish_reason == "stop"
+
+
+def test_default_model_greedy_identity(default_model):
+    """The real default model with n-gram and self drafts, chain and tree, against HF generate."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(default_model.path, dtype=torch.float32).eval()
+    tok = default_model.tokenizer
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Repeat after me: the quick brown fox "
+                                       "jumps over the lazy dog. The quick brown fox jumps over the lazy dog."}],
+                                     add_generation_prompt=True, tokenize=True)
+    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    ref = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False,
+                      attention_mask=torch.ones(1, len(prompt), dtype=torch.long))[0, len(prompt):].tolist()
+    for proposer, k, tree_size in [(NgramProposer(), 4, None), (NgramProposer(), 4, 10),
+                                   (ModelProposer(default_model.model, 49152), 3, 6)]:
+        engine = Engine(default_model, proposer, EngineConfig(draft_length=k, tree_size=tree_size))
+        req = engine.generate([prompt], SamplingParams(max_tokens=32))[0]
+        assert_same_or_near_tie(hf, prompt, req.output_ids, ref[: len(req.output_ids)] if req.finish_reason == "stop" else ref)
+        assert req.stats.steps < len(req.output_ids)
