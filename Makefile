@@ -34,5 +34,9 @@ test: setup
 bench: setup
 	$(BIN)/python scripts/bench_plain.py
 
+# Everything GPU-side in one call (for the device machine: its system python has torch and cupy).
+gpu-check:
+	python3 -m kernels.gpu_check --out $${OUT:-gpu-out}
+
 clean:
 	rm -rf $(VENV) .pytest_cache

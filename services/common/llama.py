@@ -38,11 +38,45 @@ class Chunk:
     tree_start: int | None = None
 
 
+def _onednn_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+
+
+def pick_linear(device: torch.device, dtype: torch.dtype):
+    """The matmul for x @ w.T: on CPU in float32, oneDNN's linear reads dense weights about 1.7x
+    faster than F.linear at the few rows a decode or verify step has (measured on 2 cores: 8 rows
+    over the default model's weights in 36 ms vs 54 ms; see BENCHMARKS.md). F.linear elsewhere, or
+    when the oneDNN op is missing or disagrees with F.linear."""
+    if device.type != "cpu" or dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+        return F.linear
+    try:
+        x, w, b = torch.randn(3, 64), torch.randn(96, 64), torch.randn(96)
+        if torch.allclose(_onednn_linear(x, w, b), F.linear(x, w, b), rtol=1e-4, atol=1e-4):
+            return _onednn_linear
+    except (AttributeError, RuntimeError):
+        pass
+    return F.linear
+
+
+def pick_tree_attention(device: torch.device, dtype: torch.dtype, head_dim: int):
+    """The CuPy tree-attention kernel when the model runs on CUDA in fp16/bf16 with a head_dim
+    it supports and CuPy imports; None otherwise (attention then runs per sequence with torch
+    SDPA and an explicit mask, the reference semantics)."""
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or head_dim not in (64, 128):
+        return None
+    from kernels import kernel_available
+    from kernels.tree_attention import tree_attention_cuda
+
+    return tree_attention_cuda if kernel_available() else None
+
+
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
                  device: torch.device, dtype: torch.dtype):
         self.config = c = config
         self.device, self.dtype = device, dtype
+        self.linear = pick_linear(device, dtype)
+        self.tree_attention = pick_tree_attention(device, dtype, config.head_dim)
 
         def w(name: str) -> torch.Tensor:
             return weights[name].to(device=device, dtype=dtype).contiguous()
@@ -87,6 +121,29 @@ class LlamaModel:
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
 
+    def _attention(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   chunks: list[Chunk], plans: list[tuple], kernel_parents: torch.Tensor | None) -> torch.Tensor:
+        """Write this layer's new k, v [N, kv_heads, head_dim] into each cache, then attend:
+        q [N, heads, head_dim] -> [N, heads, head_dim]."""
+        c = self.config
+        group, d = c.num_heads // c.num_kv_heads, c.head_dim
+        for ch, (off, n, start, _, _) in zip(chunks, plans):
+            ch.cache.k[li][:, start : start + n] = k[off : off + n].transpose(0, 1)
+            ch.cache.v[li][:, start : start + n] = v[off : off + n].transpose(0, 1)
+        if kernel_parents is not None:  # one CUDA launch for every request of the batch
+            return self.tree_attention(
+                q, [ch.cache.k[li] for ch in chunks], [ch.cache.v[li] for ch in chunks],
+                [p[2] for p in plans], [p[1] for p in plans], kernel_parents, check_parents=(li == 0))
+        attn = torch.empty_like(q)
+        for ch, (off, n, start, mask, _) in zip(chunks, plans):
+            kc, vc = ch.cache.k[li], ch.cache.v[li]  # [kv_heads, capacity, head_dim]
+            # Query heads of one KV group share its keys: [kv_heads, group * n, head_dim]
+            qs = q[off : off + n].view(n, c.num_kv_heads, group, d).permute(1, 2, 0, 3)
+            qs = qs.reshape(c.num_kv_heads, group * n, d)
+            o = F.scaled_dot_product_attention(qs, kc[:, : start + n], vc[:, : start + n], attn_mask=mask)
+            attn[off : off + n] = o.view(c.num_kv_heads, group, n, d).permute(2, 0, 1, 3).reshape(n, c.num_heads, d)
+        return attn
+
     @torch.inference_mode()
     def forward(self, chunks: list[Chunk]) -> list[torch.Tensor]:
         """Run the new tokens of every chunk; returns per chunk logits [rows, vocab] (float32)."""
@@ -112,7 +169,7 @@ class LlamaModel:
                 if n > 1 or not bool(tree.all()):
                     prefix = torch.ones(n, tree_start, dtype=torch.bool, device=self.device)
                     mask = torch.cat([prefix, tree], 1).repeat(group, 1)
-            plans.append((offset, n, start, mask))
+            plans.append((offset, n, start, mask, tree_start == start and n <= 256))
             logit_rows.extend(range(offset + ch.logits_from, offset + n))
             offset += n
 
@@ -121,9 +178,13 @@ class LlamaModel:
         cos, sin = self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)  # [N, 1, head_dim]
         hq, hk, d = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.head_dim
         x = self.embed[ids]  # [N, hidden]
+        kernel_parents = None  # [N] local parents, when the CUDA kernel takes this batch
+        if self.tree_attention is not None and all(p[4] for p in plans):
+            kernel_parents = torch.tensor([p for ch in chunks for p in ch.parents],
+                                          dtype=torch.int32, device=self.device)
         for li, L in enumerate(self.layers):
             h = F.rms_norm(x, (c.hidden_size,), L["ln1"], c.rms_norm_eps)
-            qkv = F.linear(h, L["wqkv"], L["bqkv"])  # [N, hq + 2 hk]
+            qkv = self.linear(h, L["wqkv"], L["bqkv"])  # [N, hq + 2 hk]
             q = qkv[:, :hq].view(-1, c.num_heads, d)
             k = qkv[:, hq : hq + hk].view(-1, c.num_kv_heads, d)
             v = qkv[:, hq + hk :].view(-1, c.num_kv_heads, d)
@@ -131,24 +192,14 @@ class LlamaModel:
                 q = F.rms_norm(q, (d,), L["q_norm"], c.rms_norm_eps)
                 k = F.rms_norm(k, (d,), L["k_norm"], c.rms_norm_eps)
             q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
-            attn = torch.empty_like(q)  # [N, heads, head_dim]
-            for ch, (off, n, start, mask) in zip(chunks, plans):
-                kc, vc = ch.cache.k[li], ch.cache.v[li]  # [kv_heads, capacity, head_dim]
-                kc[:, start : start + n] = k[off : off + n].transpose(0, 1)
-                vc[:, start : start + n] = v[off : off + n].transpose(0, 1)
-                # Query heads of one KV group share its keys: [kv_heads, group * n, head_dim]
-                qs = q[off : off + n].view(n, c.num_kv_heads, group, d).permute(1, 2, 0, 3)
-                qs = qs.reshape(c.num_kv_heads, group * n, d)
-                o = F.scaled_dot_product_attention(
-                    qs, kc[:, : start + n], vc[:, : start + n], attn_mask=mask)
-                attn[off : off + n] = o.view(c.num_kv_heads, group, n, d).permute(2, 0, 1, 3).reshape(n, c.num_heads, d)
-            x = x + F.linear(attn.view(-1, hq), L["wo"])
+            attn = self._attention(li, q, k, v, chunks, plans, kernel_parents)  # [N, heads, head_dim]
+            x = x + self.linear(attn.reshape(-1, hq), L["wo"])
             h = F.rms_norm(x, (c.hidden_size,), L["ln2"], c.rms_norm_eps)
-            gate, up = F.linear(h, L["wgu"]).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, L["wd"])
-        for ch, (_, n, start, _) in zip(chunks, plans):
+            gate, up = self.linear(h, L["wgu"]).chunk(2, dim=-1)
+            x = x + self.linear(F.silu(gate) * up, L["wd"])
+        for ch, (_, n, start, _, _) in zip(chunks, plans):
             ch.cache.length = start + n
         rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
         h = F.rms_norm(x[rows], (c.hidden_size,), self.norm, c.rms_norm_eps)
-        logits = F.linear(h, self.lm_head).float()  # [rows, vocab]
+        logits = self.linear(h, self.lm_head).float()  # [rows, vocab]
         return list(logits.split([len(ch.tokens) - ch.logits_from for ch in chunks]))

@@ -126,3 +126,21 @@ def test_positions_past_the_context_are_refused(tmp_path, home):
     lm = load_model(str(path))
     with pytest.raises(ValueError, match="context of 16"):
         lm.model.forward([Chunk(lm.model.new_cache(4), list(range(3, 20)), causal(17), 16)])
+
+
+def test_tree_attention_backend_is_the_kernel_only_on_cuda(monkeypatch, tiny_target):
+    import kernels
+    from kernels.tree_attention import tree_attention_cuda
+    from services.common.llama import pick_tree_attention
+
+    lm = load_model(str(tiny_target))
+    assert lm.model.tree_attention is None  # CPU: torch SDPA with the reference semantics
+    monkeypatch.setattr(kernels, "kernel_available", lambda: True)
+    cuda = torch.device("cuda")
+    assert pick_tree_attention(cuda, torch.bfloat16, 128) is tree_attention_cuda
+    assert pick_tree_attention(cuda, torch.float16, 64) is tree_attention_cuda
+    assert pick_tree_attention(cuda, torch.float32, 128) is None  # the kernel takes fp16/bf16
+    assert pick_tree_attention(cuda, torch.bfloat16, 96) is None  # nor other head sizes
+    assert pick_tree_attention(torch.device("cpu"), torch.bfloat16, 128) is None
+    monkeypatch.setattr(kernels, "kernel_available", lambda: False)
+    assert pick_tree_attention(cuda, torch.bfloat16, 128) is None  # no CuPy: torch path
