@@ -140,7 +140,9 @@ class LlamaModel:
             # Query heads of one KV group share its keys: [kv_heads, group * n, head_dim]
             qs = q[off : off + n].view(n, c.num_kv_heads, group, d).permute(1, 2, 0, 3)
             qs = qs.reshape(c.num_kv_heads, group * n, d)
-            o = F.scaled_dot_product_attention(qs, kc[:, : start + n], vc[:, : start + n], attn_mask=mask)
+            # 4-D inputs take torch's fused CPU kernel (3-D ones fall back to the math path).
+            o = F.scaled_dot_product_attention(qs[None], kc[None, :, : start + n], vc[None, :, : start + n],
+                                               attn_mask=mask)[0]
             attn[off : off + n] = o.view(c.num_kv_heads, group, n, d).permute(2, 0, 1, 3).reshape(n, c.num_heads, d)
         return attn
 
