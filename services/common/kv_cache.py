@@ -11,8 +11,13 @@ import torch
 
 
 class KVCache:
-    """Keys and values of one sequence: `k`, `v` are [layers, kv_heads, capacity, head_dim]."""
+    """Keys and values of one sequence: `k`, `v` are [layers, kv_heads, capacity, head_dim].
 
+    Every method that allocates or writes runs in inference mode, like the forward that fills the
+    cache, so the tensors are always inference tensors whoever calls.
+    """
+
+    @torch.inference_mode()
     def __init__(self, layers: int, kv_heads: int, head_dim: int, capacity: int,
                  dtype: torch.dtype, device: torch.device):
         shape = (layers, kv_heads, max(capacity, 1), head_dim)
@@ -27,6 +32,7 @@ class KVCache:
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
 
+    @torch.inference_mode()
     def reserve(self, needed: int) -> None:
         """Make room for `needed` slots in total, growing geometrically (copying valid slots)."""
         if needed <= self.capacity:
@@ -45,6 +51,7 @@ class KVCache:
             raise ValueError(f"cannot truncate a cache of length {self.length} to {length}")
         self.length = length
 
+    @torch.inference_mode()
     def keep(self, start: int, slots: list[int]) -> None:
         """Keep slots[0..m) as slots start..start+m and drop every slot after them.
 

@@ -36,7 +36,7 @@ class LoadedModel:
     path: Path  # the checkpoint directory actually read
     config: ModelConfig
     tokenizer: object  # a transformers tokenizer
-    model: LlamaModel
+    model: LlamaModel | None  # None when loaded without weights (tokenizer and config only)
 
 
 def specserve_home() -> Path:
@@ -139,8 +139,9 @@ def load_weights(ckpt: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
-def load_model(spec: str, device: str = "cpu", dtype: str | None = None) -> LoadedModel:
-    """Load a checkpoint (verifying its manifest) into the lean forward, plus its tokenizer."""
+def load_model(spec: str, device: str = "cpu", dtype: str | None = None, weights: bool = True) -> LoadedModel:
+    """Load a checkpoint (verifying its manifest) into the lean forward, plus its tokenizer.
+    With weights=False only the configuration and tokenizer are loaded (model is None)."""
     from transformers import AutoConfig, AutoTokenizer
 
     dev = resolve_device(device)
@@ -151,5 +152,5 @@ def load_model(spec: str, device: str = "cpu", dtype: str | None = None) -> Load
     hf_config = AutoConfig.from_pretrained(ckpt)
     config = ModelConfig.from_hf(hf_config)
     tokenizer = AutoTokenizer.from_pretrained(ckpt)
-    model = LlamaModel(config, load_weights(ckpt), dev, dt)
+    model = LlamaModel(config, load_weights(ckpt), dev, dt) if weights else None
     return LoadedModel(name=spec, path=ckpt, config=config, tokenizer=tokenizer, model=model)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 MANIFEST_NAME = "specserve-manifest.json"
@@ -30,7 +31,7 @@ def checkpoint_files(ckpt: Path) -> list[Path]:
 def write_manifest(ckpt: Path, manifest: Path) -> dict[str, str]:
     digests = {p.name: sha256_file(p) for p in checkpoint_files(ckpt)}
     manifest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = manifest.with_suffix(".tmp")
+    tmp = manifest.with_suffix(f".tmp{os.getpid()}")  # several services may load one model at once
     tmp.write_text(json.dumps({"checkpoint": str(ckpt), "sha256": digests}, indent=1))
     tmp.replace(manifest)
     return digests

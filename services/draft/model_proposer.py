@@ -51,6 +51,7 @@ class ModelProposer(Proposer):
 
     def __init__(self, model: LlamaModel, vocab_size: int, branch: int = 4, q_support: int = 32):
         self.model = model
+        self.max_positions = model.config.max_positions
         self.vocab_size = vocab_size  # the target's; draft logits beyond it are masked
         self.branch = branch
         self.q_support = q_support
@@ -61,6 +62,9 @@ class ModelProposer(Proposer):
 
     def release(self, req_id: str) -> None:
         self._states.pop(req_id, None)
+
+    def cache_bytes(self) -> int:
+        return sum(st.cache.nbytes() for st in self._states.values())
 
     def _sync(self, item: ProposeItem) -> tuple[_State, list[int]]:
         """Bring the request's cache up to its committed tokens; returns the pending tokens."""

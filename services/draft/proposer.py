@@ -26,6 +26,7 @@ class Proposer(ABC):
     rebuilt from the committed tokens when missing or stale."""
 
     name = "proposer"
+    max_positions: int | None = None  # the draft's context, when it has one
 
     @abstractmethod
     def propose(self, items: list[ProposeItem]) -> list[DraftTree]:
@@ -36,3 +37,7 @@ class Proposer(ABC):
 
     def active_requests(self) -> list[str]:
         return []
+
+    def cache_bytes(self) -> int:
+        """Bytes of per-request cache held (0 for a proposer without one)."""
+        return 0

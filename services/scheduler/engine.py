@@ -77,10 +77,11 @@ class Engine:
         return bool(self.waiting or self.running)
 
     def _draft_budget(self, req: Request) -> tuple[int, int]:
-        # The step always yields one token beyond the accepted ones: drafting past the last
-        # token the request may still emit is wasted work.
-        k = max(0, min(req.draft_length, req.remaining() - 1))
-        return k, (min(req.tree_size, 256) if k else 0)
+        k = req.draft_length
+        limit = self.proposer.max_positions if self.proposer is not None else None
+        if limit is not None:  # a draft with a shorter context than the target stops drafting
+            k = min(k, limit - len(req.prompt_ids) - len(req.output_ids))
+        return req.draft_budget(k)
 
     def step(self) -> list[tuple[Request, list[int]]]:
         """Run one step; returns (request, tokens committed this step) for every running request."""

@@ -55,6 +55,13 @@ class Request:
     def remaining(self) -> int:
         return self.params.max_tokens - len(self.output_ids)
 
+    def draft_budget(self, k: int) -> tuple[int, int]:
+        """(draft length, tree size) for this step given a chosen k. A step always yields one
+        token beyond the accepted ones, so drafting past the last token the request may still
+        emit is wasted work."""
+        k = max(0, min(k, self.remaining() - 1))
+        return k, (min(self.tree_size, 256) if k else 0)
+
     def commit(self, tokens: list[int], drafted: int, accepted: int) -> list[int]:
         """Commit one step's output tokens, stopping at EOS, a stop string or max_tokens.
 

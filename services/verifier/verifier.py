@@ -41,6 +41,9 @@ class Verifier:
     def release(self, req_id: str) -> None:
         self._states.pop(req_id, None)
 
+    def cache_bytes(self) -> int:
+        return sum(st.cache.nbytes() for st in self._states.values())
+
     def _state_for(self, item: VerifyItem) -> _State:
         st = self._states.get(item.req_id)
         if st is None:

@@ -117,3 +117,13 @@ def test_default_model_greedy_identity(default_model):
         req = engine.generate([prompt], SamplingParams(max_tokens=32))[0]
         assert_same_or_near_tie(hf, prompt, req.output_ids, ref[: len(req.output_ids)] if req.finish_reason == "stop" else ref)
         assert req.stats.steps < len(req.output_ids)
+
+
+def test_a_draft_with_a_shorter_context_stops_drafting(tmp_path, models):
+    target, _, hf = models
+    short = load_model(str(tiny.make_checkpoint(tmp_path / "short-draft", seed=3, max_positions=16)))
+    engine = Engine(target, ModelProposer(short.model, target.config.vocab_size), EngineConfig(draft_length=4))
+    prompt = [5, 6, 7, 8, 9]
+    req = engine.generate([prompt], SamplingParams(max_tokens=30))[0]
+    assert_same_or_near_tie(hf, prompt, req.output_ids, tiny.hf_greedy(hf, prompt, 30))
+    assert len(req.output_ids) == 30 or req.finish_reason == "stop"

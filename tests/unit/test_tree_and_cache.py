@@ -40,8 +40,9 @@ def test_kv_cache_keep_reserve_truncate():
     c = KVCache(layers=2, kv_heads=1, head_dim=2, capacity=4, dtype=torch.float32, device=torch.device("cpu"))
     c.reserve(8)
     assert c.capacity >= 8
-    c.k[:, 0, :8, 0] = torch.arange(8.0)
-    c.v[:, 0, :8, 0] = -torch.arange(8.0)
+    with torch.inference_mode():  # cache tensors are inference tensors, as the forward writes them
+        c.k[:, 0, :8, 0] = torch.arange(8.0)
+        c.v[:, 0, :8, 0] = -torch.arange(8.0)
     c.length = 8
     c.keep(3, [4, 6, 7])  # overlapping move: slot 3 <- 4, 4 <- 6, 5 <- 7
     assert c.length == 6
@@ -53,3 +54,15 @@ def test_kv_cache_keep_reserve_truncate():
     assert c.length == 2
     with pytest.raises(ValueError):
         c.truncate(5)
+
+
+def test_cache_grown_inside_a_forward_can_keep_a_path_outside(tiny_target):
+    from services.common.llama import Chunk
+    from services.common.loading import load_model
+
+    lm = load_model(str(tiny_target))
+    cache = lm.model.new_cache(2)
+    lm.model.forward([Chunk(cache, list(range(3, 40)), list(range(-1, 36)), 36)])  # grows the cache
+    assert cache.capacity >= 37
+    cache.keep(30, [32, 35])
+    assert cache.length == 32

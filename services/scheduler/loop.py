@@ -1,0 +1,250 @@
+"""The scheduler's continuous-batching loop over remote draft and verifier replicas.
+
+Each step: propose (one ProposeStep per draft replica, all running requests), verify (one
+VerifyStep per verifier replica: one forward for all its requests), commit, stream events.
+Requests join and leave between steps. A failed draft replica costs only speculation (its
+requests decode plainly until it is back); a failed verifier replica's requests move to another
+replica and are re-prefilled from their committed tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from services.common import codec
+from services.common.sampling import SamplingParams
+from services.common.tree import DraftTree
+from services.scheduler.request import Request
+from services.scheduler.telemetry import StepRecord, Telemetry, choose_draft_length
+from services.scheduler.workers import Replica, ReplicaSet, WorkerDown
+from specserve.v1 import draft_pb2, scheduler_pb2, verifier_pb2
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Live:
+    """A running request plus what its client has been sent."""
+
+    req: Request
+    fixed_k: int | None
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    params_pb: object = None
+    emitted_chars: int = 0
+
+
+class SchedulerLoop:
+    def __init__(self, tokenizer, eos_token_ids: tuple[int, ...], max_positions: int, drafts: ReplicaSet,
+                 verifiers: ReplicaSet, telemetry: Telemetry, draft_length: str = "adaptive",
+                 max_draft_length: int = 4, tree_size: int | None = None, max_batch: int = 16):
+        self.tokenizer, self.eos_token_ids, self.max_positions = tokenizer, eos_token_ids, max_positions
+        self.drafts, self.verifiers, self.telemetry = drafts, verifiers, telemetry
+        self.adaptive = draft_length == "adaptive"
+        self.draft_length = max_draft_length if self.adaptive else int(draft_length)
+        self.tree_size, self.max_batch = tree_size, max_batch
+        self.waiting: list[Live] = []
+        self.running: list[Live] = []
+        self.by_id: dict[str, Live] = {}
+        self.releases: dict[Replica, list[str]] = {}
+        self.wake = asyncio.Event()
+        self.accepting = True
+        self.steps = 0
+        self.max_batch_seen = 0
+
+    # -- requests ---------------------------------------------------------------------------
+    def submit(self, req_id: str, prompt_ids: list[int], params: SamplingParams,
+               draft_length: int | None = None, tree_size: int | None = None) -> Live:
+        """Queue a request; raises ValueError for bad input, RuntimeError when shutting down."""
+        if not self.accepting:
+            raise RuntimeError("scheduler is shutting down")
+        if req_id in self.by_id:
+            raise ValueError(f"request id {req_id!r} is already running")
+        params.validate()
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.max_positions:
+            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                             f"exceeds the context of {self.max_positions} tokens")
+        k = self.draft_length if draft_length is None else draft_length
+        req = Request(req_id, prompt_ids, params, self.tokenizer, self.eos_token_ids, draft_length=k,
+                      tree_size=tree_size if tree_size is not None else (self.tree_size or k))
+        live = Live(req, fixed_k=draft_length if draft_length is not None else (None if self.adaptive else k),
+                    params_pb=codec.params_to_pb(params))
+        self.by_id[req_id] = live
+        self.waiting.append(live)
+        self.wake.set()
+        return live
+
+    def cancel(self, req_id: str) -> None:
+        live = self.by_id.get(req_id)
+        if live is not None and not live.req.finished:
+            live.req.finish_reason = "cancelled"
+            self._retire(live)
+
+    def _retire(self, live: Live) -> None:
+        """Forget a finished request everywhere: its replicas free it with the next message."""
+        rid = live.req.req_id
+        self.by_id.pop(rid, None)
+        for group in (self.waiting, self.running):
+            if live in group:
+                group.remove(live)
+        for rs in (self.drafts, self.verifiers):
+            rep = rs.forget(rid)
+            if rep is not None:
+                self.releases.setdefault(rep, []).append(rid)
+        self.wake.set()
+
+    def _emit(self, live: Live, tokens: list[int], error: str = "") -> None:
+        req = live.req
+        text = req.detok.text if req.finished else req.detok.stable_text()
+        event = scheduler_pb2.GenerateEvent(token_ids=tokens, text=text[live.emitted_chars:])
+        live.emitted_chars = len(text)
+        if req.finished:
+            s = req.summary()
+            event.finish_reason = "error" if error else req.finish_reason
+            event.error = error
+            event.usage.CopyFrom(scheduler_pb2.Usage(
+                prompt_tokens=s["prompt_tokens"], completion_tokens=s["completion_tokens"], steps=s["steps"],
+                drafted_tokens=s["drafted_tokens"], accepted_tokens=s["accepted_tokens"],
+                mean_accepted_length=s["mean_accepted_length"], acceptance_rate=s["acceptance_rate"]))
+        live.events.put_nowait(event)
+
+    def _fail(self, live: Live, message: str) -> None:
+        live.req.finish_reason = "error"
+        self._emit(live, [], error=message)
+        self._retire(live)
+
+    # -- the loop ---------------------------------------------------------------------------
+    async def run(self) -> None:
+        while True:
+            if not (self.waiting or self.running):
+                await self._send_releases()
+                self.wake.clear()
+                await self.wake.wait()
+                continue
+            try:
+                await self.step()
+            except Exception:  # never let one bad step kill the loop
+                log.exception("step failed")
+                await asyncio.sleep(0.05)
+
+    async def drain(self) -> None:
+        """Stop accepting requests; return when every running one has finished."""
+        self.accepting = False
+        while self.waiting or self.running:
+            await asyncio.sleep(0.05)
+        await self._send_releases()
+
+    def _budget(self, live: Live) -> tuple[int, int]:
+        k = live.fixed_k
+        if k is None:
+            k = choose_draft_length(self.telemetry.stats(), self.draft_length)
+        return live.req.draft_budget(k)
+
+    async def _send_releases(self) -> None:
+        pending, self.releases = self.releases, {}
+        for rep, ids in pending.items():
+            msg = (draft_pb2.ProposeStep(release=ids) if rep.kind == "draft" else verifier_pb2.VerifyStep(release=ids))
+            try:
+                await rep.step(msg)
+            except WorkerDown:
+                pass  # its stream is gone, and with it the replica's state for these requests
+
+    async def _exchange(self, groups: dict[Replica, list[Live]], build) -> dict[Replica, object]:
+        """Send one step message per replica concurrently; a failed replica maps to None."""
+        reps = list(groups)
+        msgs = [build(rep, groups[rep], self.releases.pop(rep, [])) for rep in reps]
+        results = await asyncio.gather(*(rep.step(m) for rep, m in zip(reps, msgs)), return_exceptions=True)
+        out = {}
+        for rep, res in zip(reps, results):
+            if isinstance(res, WorkerDown):
+                log.warning("%s", res)
+                res = None
+            elif isinstance(res, BaseException):
+                raise res
+            out[rep] = res
+        return out
+
+    def _new_tokens(self, rep: Replica, live: Live) -> tuple[int, list[int]]:
+        tokens = live.req.tokens
+        offset = rep.sent.get(live.req.req_id, 0)
+        return offset, tokens[offset:]
+
+    async def step(self) -> None:
+        while self.waiting and len(self.running) < self.max_batch:
+            self.running.append(self.waiting.pop(0))
+        batch = list(self.running)
+        self.max_batch_seen = max(self.max_batch_seen, len(batch))
+        t0 = time.perf_counter()
+        # Propose.
+        budgets = {lv.req.req_id: self._budget(lv) for lv in batch}
+        draft_groups: dict[Replica, list[Live]] = {}
+        for lv in batch:
+            if budgets[lv.req.req_id][0] > 0:
+                rep = self.drafts.assign(lv.req.req_id)
+                if rep is not None:
+                    draft_groups.setdefault(rep, []).append(lv)
+
+        def build_propose(rep, lives, release):
+            items = []
+            for lv in lives:
+                offset, new = self._new_tokens(rep, lv)
+                k, tree_size = budgets[lv.req.req_id]
+                items.append(draft_pb2.ProposeItem(request_id=lv.req.req_id, offset=offset, tokens=new,
+                                                   draft_length=k, tree_size=tree_size, params=lv.params_pb))
+            return draft_pb2.ProposeStep(step_id=self.steps, items=items, release=release)
+
+        trees: dict[str, DraftTree] = {}
+        draft_ms = 0.0
+        for rep, res in (await self._exchange(draft_groups, build_propose)).items():
+            if res is None:
+                continue
+            draft_ms = max(draft_ms, res.timing.compute_ms)
+            for lv, prop in zip(draft_groups[rep], res.proposals):
+                if prop.need_resync:
+                    rep.sent[lv.req.req_id] = 0
+                else:
+                    rep.sent[lv.req.req_id] = len(lv.req.tokens)
+                    trees[lv.req.req_id] = codec.tree_from_pb(prop.tree)
+        t1 = time.perf_counter()
+        # Verify.
+        verify_groups: dict[Replica, list[Live]] = {}
+        for lv in batch:
+            rep = self.verifiers.assign(lv.req.req_id)
+            if rep is None:
+                self._fail(lv, "no verifier replica is available")
+                continue
+            verify_groups.setdefault(rep, []).append(lv)
+
+        def build_verify(rep, lives, release):
+            items = []
+            for lv in lives:
+                offset, new = self._new_tokens(rep, lv)
+                tree = trees.get(lv.req.req_id, DraftTree())
+                items.append(verifier_pb2.VerifyItem(request_id=lv.req.req_id, offset=offset, tokens=new,
+                                                     tree=codec.tree_to_pb(tree), params=lv.params_pb))
+            return verifier_pb2.VerifyStep(step_id=self.steps, items=items, release=release)
+
+        results = await self._exchange(verify_groups, build_verify)
+        t2 = time.perf_counter()
+        self.steps += 1
+        for rep, res in results.items():
+            if res is None:  # the replica failed: its requests are reassigned and re-prefilled
+                continue
+            for lv, verdict in zip(verify_groups[rep], res.verdicts):
+                rid = lv.req.req_id
+                if verdict.need_resync:
+                    rep.sent[rid] = 0
+                    continue
+                rep.sent[rid] = len(lv.req.tokens)
+                tree = trees.get(rid, DraftTree())
+                committed = lv.req.commit(list(verdict.tokens), len(tree), len(verdict.accepted_nodes))
+                if tree.tokens:
+                    self.telemetry.record(StepRecord(tree.depths(), len(verdict.accepted_nodes),
+                                                     (t1 - t0) * 1e3, (t2 - t1) * 1e3))
+                self._emit(lv, committed)
+                if lv.req.finished:
+                    self._retire(lv)
+        self.telemetry.flush()

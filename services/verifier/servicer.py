@@ -1,0 +1,48 @@
+"""VerifierService: protobuf in, one batched verification per step, protobuf out."""
+
+from __future__ import annotations
+
+import time
+
+from services.common import codec
+from services.common.worker import StepWorker
+from services.verifier.verifier import Verifier, VerifyItem
+from specserve.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+
+
+class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
+    def __init__(self, verifier: Verifier, info: common_pb2.InfoResponse):
+        self.verifier = verifier
+        self.worker = StepWorker(info, 1, verifier.release, verifier.cache_bytes)
+
+    def _step(self, step: verifier_pb2.VerifyStep) -> verifier_pb2.VerifyResult:
+        started = time.perf_counter()
+        for rid in step.release:
+            self.worker.release(rid)
+        items, slots, verdicts = [], [], []
+        for pb in step.items:
+            tokens = self.worker.ledger.update(pb.request_id, pb.offset, list(pb.tokens))
+            verdicts.append(verifier_pb2.Verdict(request_id=pb.request_id, need_resync=tokens is None))
+            if tokens is None:
+                continue
+            params = codec.params_from_pb(pb.params)
+            items.append(VerifyItem(pb.request_id, tokens, codec.tree_from_pb(pb.tree), params,
+                                    self.worker.generator(pb.request_id, params)))
+            slots.append(len(verdicts) - 1)
+        if items:  # one target forward for every request of the step
+            for slot, item, verdict in zip(slots, items, self.verifier.verify(items)):
+                verdicts[slot].CopyFrom(codec.verdict_to_pb(item.req_id, verdict))
+        self.worker.count_step(len(items))
+        timing = common_pb2.StepTiming(compute_ms=(time.perf_counter() - started) * 1e3, batch_size=len(items),
+                                       tokens=sum(len(i.tree) + 1 for i in items))
+        return verifier_pb2.VerifyResult(step_id=step.step_id, verdicts=verdicts, timing=timing)
+
+    async def Verify(self, request_iterator, context):
+        async for result in self.worker.serve_stream(request_iterator, context, self._step):
+            yield result
+
+    async def Info(self, request, context):
+        return self.worker.info
+
+    async def State(self, request, context):
+        return self.worker.state()

@@ -1,0 +1,75 @@
+"""Scheduler policy pieces that need no model: the draft-length rule, replica assignment, the
+token ledger of the step protocol."""
+
+import asyncio
+
+from services.common.ledger import TokenLedger
+from services.scheduler.telemetry import AcceptanceStats, StepRecord, Telemetry, choose_draft_length
+from services.scheduler.workers import ReplicaSet
+
+
+def stats(rates: dict[int, float], n: int = 100) -> AcceptanceStats:
+    s = AcceptanceStats()
+    for depth, rate in rates.items():
+        s.drafted[depth] = n
+        s.accepted[depth] = int(rate * n)
+    return s
+
+
+def test_draft_length_rule_follows_acceptance():
+    assert choose_draft_length(stats({}), 6) == 6  # no data yet: draft the maximum
+    assert choose_draft_length(stats({1: 0.9, 2: 0.9, 3: 0.9, 4: 0.9}), 4) == 4
+    assert choose_draft_length(stats({1: 0.8, 2: 0.5, 3: 0.5}), 8) == 2  # reach 0.8, 0.4, then 0.2 < 0.3
+    assert choose_draft_length(stats({1: 0.1}), 8) == 1  # never below 1
+    few = stats({1: 0.0}, n=5)  # too few samples to trust
+    assert choose_draft_length(few, 3) == 3
+
+
+def test_telemetry_without_redis_keeps_local_estimates():
+    t = Telemetry(None, "pair")
+    for _ in range(30):
+        t.record(StepRecord(depths=[1, 2, 2, 3], accepted=1, draft_ms=1.0, verify_ms=2.0))
+    s = t.stats()
+    assert s.drafted == {1: 30, 2: 30, 3: 30}
+    assert s.accepted == {1: 30}
+    assert s.rate(1) == 1.0 and s.rate(2) == 0.0
+
+
+def test_telemetry_survives_an_unreachable_redis():
+    async def scenario():
+        t = Telemetry("redis://127.0.0.1:1/0", "pair")  # nothing listens on port 1
+        t.record(StepRecord(depths=[1], accepted=1, draft_ms=1.0, verify_ms=1.0))
+        t.flush()
+        await asyncio.wait_for(t._task, 5)
+        await t.close()
+        return t
+
+    t = asyncio.run(scenario())
+    assert t.redis_errors == 1 and t.stats().drafted == {1: 1}
+
+
+def test_requests_stick_to_a_replica_and_spread_across_replicas():
+    async def scenario():
+        rs = ReplicaSet("verifier", ["127.0.0.1:1", "127.0.0.1:2"])
+        a, b, c = rs.assign("a"), rs.assign("b"), rs.assign("c")
+        assert a is not b and rs.assign("a") is a and rs.assign("b") is b
+        assert {len(r.requests) for r in rs.replicas} == {1, 2} and c in rs.replicas
+        rs.forget("a")
+        assert "a" not in a.requests
+        a.down_since = 1e18  # marked down just now: new and moved requests avoid it
+        moved = rs.assign("c") if c is a else rs.assign("a")
+        assert moved is not a
+        await rs.close()
+
+    asyncio.run(scenario())
+
+
+def test_token_ledger_offsets_and_resync():
+    led = TokenLedger()
+    assert led.update("r", 0, [1, 2, 3]) == [1, 2, 3]
+    assert led.update("r", 3, [4]) == [1, 2, 3, 4]
+    assert led.update("r", 2, [9]) == [1, 2, 9]  # a rebuilt request may rewrite the tail
+    assert led.update("r", 7, [5]) is None  # never saw tokens 3..6: resync
+    assert led.update("unknown", 4, [1]) is None
+    led.release("r")
+    assert "r" not in led
