@@ -5,7 +5,6 @@ BIN := $(VENV)/bin
 # A CPU build of torch lies on local disk for this version; on a GPU machine override it, e.g.
 #   make setup TORCH_SPEC='torch==2.13.0 --index-url https://.../cu128'
 TORCH_SPEC ?= torch==2.13.0
-PROMPT ?= Write a haiku about speculative decoding.
 
 .PHONY: setup deps protos model run test bench gpu-check clean
 
@@ -29,18 +28,20 @@ protos: deps
 model: deps
 	$(BIN)/specserve prepare --target default
 
+# Redis (unless REDIS_URL is set) and the four services on localhost; Ctrl-C stops them all.
 run: setup
-	$(BIN)/specserve generate --target default --draft ngram --chat --prompt "$(PROMPT)"
+	$(BIN)/python scripts/run_stack.py
 
 test: setup
 	$(BIN)/python -m pytest -q tests
 
+BENCH_QUESTIONS ?= ../shared/bench/spec_bench_dev.jsonl
 bench: setup
-	$(BIN)/python scripts/bench_plain.py
+	$(BIN)/python scripts/bench_plain.py --questions $(BENCH_QUESTIONS) --update BENCHMARKS.md
 
 # Everything GPU-side in one call (for the device machine: its system python has torch and cupy).
 gpu-check:
 	python3 -m kernels.gpu_check --out $${OUT:-gpu-out}
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache .run

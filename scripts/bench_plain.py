@@ -29,7 +29,18 @@ from services.common.sampling import SamplingParams
 from services.draft.ngram import NgramProposer
 from services.scheduler.engine import Engine, EngineConfig
 
-MARK_BEGIN, MARK_END = "<!-- bench_plain:begin -->", "<!-- bench_plain:end -->"
+
+
+def update_section(path: Path, name: str, table: str) -> None:
+    """Replace the section between `<!-- name:begin -->` and `<!-- name:end -->` (or append it)."""
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    text = path.read_text() if path.exists() else ""
+    block = f"{begin}\n{table}\n{end}"
+    if begin in text:
+        text = text[: text.index(begin)] + block + text[text.index(end) + len(end):]
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    path.write_text(text)
 
 
 def load_questions(path: Path, per_category: int) -> list[dict]:
@@ -168,13 +179,7 @@ def main() -> None:
     (args.out / "bench_plain.md").write_text(table + "\n")
     print(table)
     if args.update:
-        text = args.update.read_text() if args.update.exists() else ""
-        block = f"{MARK_BEGIN}\n{table}\n{MARK_END}"
-        if MARK_BEGIN in text:
-            text = text[: text.index(MARK_BEGIN)] + block + text[text.index(MARK_END) + len(MARK_END):]
-        else:
-            text = text.rstrip() + "\n\n" + block + "\n"
-        args.update.write_text(text)
+        update_section(args.update, "bench_plain", table)
 
 
 if __name__ == "__main__":

@@ -21,8 +21,11 @@ def make_tokenizer(vocab_size: int, rename: dict[int, str] | None = None):
         words[i] = w
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
-                                   eos_token="</s>")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    # A minimal chat template: w3 opens each message, w4 asks for the assistant's turn.
+    fast.chat_template = ("{% for m in messages %}w3 {{ m['content'] }} {% endfor %}"
+                          "{% if add_generation_prompt %}w4{% endif %}")
+    return fast
 
 
 def make_checkpoint(path: Path, model_type: str = "llama", vocab_size: int = 64, seed: int = 0,

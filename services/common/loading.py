@@ -8,6 +8,7 @@ weights. GGUF files are dequantized once by transformers and cached as safetenso
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import logging
@@ -95,6 +96,16 @@ def gguf_to_safetensors(gguf: Path) -> Path:
     out = specserve_home() / "models" / f"{gguf.stem}-{digest}"
     if (out / "config.json").exists():
         return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Several services may start at once: one dequantizes, the others wait for it.
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "config.json").exists():
+            _dequantize(gguf, out, digest)
+    return out
+
+
+def _dequantize(gguf: Path, out: Path, digest: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("dequantizing %s into %s (once)", gguf, out)
@@ -111,9 +122,9 @@ def gguf_to_safetensors(gguf: Path) -> Path:
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     (tmp / "specserve-source.json").write_text(json.dumps({"gguf": str(gguf), "sha256_prefix": digest}))
+    shutil.rmtree(out, ignore_errors=True)  # a partial directory from an interrupted run
     tmp.rename(out)
     log.info("dequantized %s in %.1f s", gguf.name, time.perf_counter() - started)
-    return out
 
 
 def manifest_path(ckpt: Path) -> Path:

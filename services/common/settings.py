@@ -51,6 +51,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("--redis-url", "REDIS_URL", None, ("scheduler", "gateway"),
            "Redis for telemetry and rate limits; unset = none (make run starts a local one)"),
     Option("--api-keys", "SPECSERVE_API_KEYS", None, ("gateway",), "comma-separated bearer API keys; unset = open"),
+    Option("--served-model-name", "SPECSERVE_SERVED_MODEL_NAME", None, ("gateway",),
+           "model id clients use; default: SmolLM2-135M-Instruct for default, else the target's basename"),
     Option("--default-max-tokens", "SPECSERVE_DEFAULT_MAX_TOKENS", "256", ("gateway",),
            "max_tokens when a request gives none"),
     Option("--log-level", "SPECSERVE_LOG_LEVEL", "INFO", ROLES, "DEBUG, INFO, WARNING, ERROR"),

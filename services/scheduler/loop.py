@@ -119,10 +119,12 @@ class SchedulerLoop:
     # -- the loop ---------------------------------------------------------------------------
     async def run(self) -> None:
         while True:
+            # Clear before looking: a request submitted while this task awaits below sets it again.
+            self.wake.clear()
             if not (self.waiting or self.running):
                 await self._send_releases()
-                self.wake.clear()
-                await self.wake.wait()
+                if not (self.waiting or self.running):
+                    await self.wake.wait()
                 continue
             try:
                 await self.step()

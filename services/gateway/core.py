@@ -1,0 +1,134 @@
+"""Gateway: what the HTTP app and the public gRPC servicer share.
+
+It holds the served model's name, the target's tokenizer, the scheduler client and the API
+keys, and turns a validated `ApiRequest` into a scheduler `GenerateRequest` (tokenizing, fitting
+max_tokens into the context) and a scheduler event stream into a `Completion`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.gateway.auth import ApiKeys
+from services.gateway.errors import ApiError
+from services.gateway.openai_api import ApiRequest
+from services.gateway.scheduler_client import SchedulerClient, SchedulerStream
+from services.gateway.tokenization import PromptTokenizer
+from services.gateway.validation import fit_max_tokens
+from specserve.v1 import scheduler_pb2
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # what target "default" serves
+MAX_BODY_BYTES = 4 * 1024 * 1024
+
+
+def served_model_name(target: str, override: str | None = None) -> str:
+    """The model id clients use: the override, else the default model's name for "default",
+    else the target path's basename (without a .gguf suffix)."""
+    if override:
+        return override
+    if target == "default":
+        return DEFAULT_MODEL_NAME
+    path = Path(target.rstrip("/\\")).expanduser()
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
+@dataclass
+class GatewayConfig:
+    model_name: str
+    target: str
+    default_max_tokens: int = 256
+    max_body_bytes: int = MAX_BODY_BYTES
+
+
+@dataclass
+class Completion:
+    """A finished generation, collected from the scheduler's events."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    usage: scheduler_pb2.Usage
+
+
+def event_error(event: scheduler_pb2.GenerateEvent) -> ApiError:
+    """The error a final event with finish_reason "error" reports."""
+    return ApiError(500, f"generation failed: {event.error or 'unknown error'}", code="generation_error")
+
+
+def incomplete_stream() -> ApiError:
+    return ApiError(500, "the scheduler ended the stream without a finish reason",
+                    code="incomplete_stream")
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig, tokenizer: PromptTokenizer, scheduler: SchedulerClient,
+                 keys: ApiKeys | None = None):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler
+        self.keys = keys or ApiKeys()
+        self.created = int(time.time())
+
+    @property
+    def model_name(self) -> str:
+        return self.config.model_name
+
+    @property
+    def context_length(self) -> int:
+        return self.tokenizer.context_length
+
+    def check_model(self, model: str | None) -> None:
+        """An empty or missing model means the served one; any other name is a 404."""
+        if model and model != self.model_name:
+            raise ApiError(404, f"the model {model!r} does not exist; this server serves "
+                           f"{self.model_name!r}", param="model", code="model_not_found")
+
+    @staticmethod
+    def new_request_id(prefix: str) -> str:
+        return f"{prefix}-{uuid.uuid4().hex}"
+
+    def prompt_ids(self, req: ApiRequest) -> list[int]:
+        """Token ids of the request's prompt (chat messages through the chat template)."""
+        if req.messages is not None:
+            return self.tokenizer.encode_chat(req.messages, req.prompt_param)
+        if req.prompt_ids is not None:
+            return self.tokenizer.check_ids(req.prompt_ids, req.prompt_param)
+        return self.tokenizer.encode(req.prompt or "")
+
+    def build(self, req: ApiRequest, request_id: str) -> scheduler_pb2.GenerateRequest:
+        """Tokenize and check a request against the context: the scheduler's GenerateRequest."""
+        self.check_model(req.model)
+        ids = self.prompt_ids(req)
+        s = req.sampling
+        max_tokens = fit_max_tokens(s, len(ids), self.context_length, self.config.default_max_tokens,
+                                    req.prompt_param)
+        out = scheduler_pb2.GenerateRequest(request_id=request_id, prompt_ids=ids,
+                                            params=s.to_proto(max_tokens))
+        if s.draft_length is not None:
+            out.draft_length = s.draft_length
+        if s.tree_size is not None:
+            out.tree_size = s.tree_size
+        return out
+
+    def stream(self, request: scheduler_pb2.GenerateRequest) -> SchedulerStream:
+        return self.scheduler.stream(request)
+
+    async def collect(self, request: scheduler_pb2.GenerateRequest) -> Completion:
+        """Run a request to the end; cancelled (also on the scheduler) if this task is."""
+        text: list[str] = []
+        ids: list[int] = []
+        async with self.scheduler.stream(request) as events:
+            async for event in events:
+                text.append(event.text)
+                ids.extend(event.token_ids)
+                if event.finish_reason == "error":
+                    raise event_error(event)
+                if event.finish_reason:
+                    return Completion("".join(text), ids, event.finish_reason, event.usage)
+        raise incomplete_stream()
+
+    async def healthy(self) -> bool:
+        return await self.scheduler.healthy()

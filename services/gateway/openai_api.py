@@ -1,0 +1,249 @@
+"""The OpenAI-compatible wire format: request bodies in, response objects and SSE chunks out.
+
+Parsing turns a decoded JSON body into an `ApiRequest` (or an `ApiError` 400 naming the
+parameter); `OpenAIFormatter` builds `text_completion` / `chat.completion` objects and the
+streamed `text_completion` / `chat.completion.chunk` chunks. Nothing here does I/O.
+
+Extensions beyond OpenAI: `top_k`, `ignore_eos`, `draft_length` and `tree_size` (fix the
+speculative draft length / tree budget for the request), `return_token_ids` (the output token
+ids in each choice), and speculative statistics in `usage` (steps, drafted_tokens,
+accepted_tokens, mean_accepted_length, acceptance_rate).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.gateway.errors import ApiError, invalid
+from services.gateway.tokenization import check_messages
+from services.gateway.validation import Sampling, check_bool, check_int, parse_sampling
+
+SSE_DONE = b"data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+SSE_MEDIA_TYPE = "text/event-stream"
+
+_SAMPLING = {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos",
+             "draft_length", "tree_size"}
+_COMMON = _SAMPLING | {"model", "stream", "stream_options", "n", "return_token_ids", "user",
+                       "presence_penalty", "frequency_penalty", "logit_bias", "logprobs"}
+COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "best_of", "suffix"}
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools",
+                         "tool_choice", "response_format", "parallel_tool_calls", "metadata",
+                         "store"}
+INFER_FIELDS = {"input", "max_length"}
+
+# OpenAI parameters we accept only at their "off" value: name -> is the value off?
+_OFF = {
+    "presence_penalty": lambda v: v in (None, 0, 0.0),
+    "frequency_penalty": lambda v: v in (None, 0, 0.0),
+    "logit_bias": lambda v: v in (None, {}),
+    "logprobs": lambda v: v in (None, False),
+    "top_logprobs": lambda v: v in (None, 0),
+    "echo": lambda v: v in (None, False),
+    "best_of": lambda v: v in (None, 1),
+    "suffix": lambda v: v in (None, ""),
+    "tools": lambda v: v in (None, []),
+    "tool_choice": lambda v: v in (None, "none"),
+    "response_format": lambda v: v is None or v == {"type": "text"},
+}
+
+
+@dataclass
+class ApiRequest:
+    """A validated generation request, before tokenization."""
+
+    kind: str  # "completion" or "chat"
+    sampling: Sampling
+    model: str | None = None
+    prompt: str | None = None  # completion text
+    prompt_ids: list[int] | None = None  # completion given as token ids
+    messages: list[dict[str, str]] | None = None  # chat
+    stream: bool = False
+    include_usage: bool = False
+    return_token_ids: bool = False
+    prompt_param: str = "prompt"  # the body field holding the prompt (for error messages)
+
+
+def _check_fields(body: Any, allowed: set[str]) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+    for name in body:
+        if name not in allowed:
+            raise invalid(name, f"unrecognized request argument supplied: {name}", "unknown_parameter")
+    for name, is_off in _OFF.items():
+        if name in body and not is_off(body[name]):
+            raise invalid(name, f"{name} is not supported by this server", "unsupported_parameter")
+    return body
+
+
+def _common(body: dict[str, Any], kind: str, max_tokens_params: tuple[str, ...]) -> dict[str, Any]:
+    """Fields shared by completions and chat completions."""
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise invalid("model", "model must be a string", "invalid_type")
+    if body.get("n") is not None and check_int(body["n"], "n", lo=1) != 1:
+        raise invalid("n", "only n=1 is supported")
+    stream = False if body.get("stream") is None else check_bool(body["stream"], "stream")
+    include_usage = False
+    options = body.get("stream_options")
+    if options is not None:
+        if not stream:
+            raise invalid("stream_options", "stream_options is only allowed when stream is true")
+        if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
+            raise invalid("stream_options", "stream_options must be an object with include_usage")
+        if options.get("include_usage") is not None:
+            include_usage = check_bool(options["include_usage"], "stream_options.include_usage")
+    return_ids = body.get("return_token_ids")
+    return dict(kind=kind, model=model, stream=stream, include_usage=include_usage,
+                return_token_ids=False if return_ids is None else check_bool(return_ids, "return_token_ids"),
+                sampling=parse_sampling(body, max_tokens_params=max_tokens_params))
+
+
+def parse_completion(body: Any) -> ApiRequest:
+    """A /v1/completions body. `prompt` is a string, a list of one string, a list of token ids
+    or a list holding one list of token ids."""
+    body = _check_fields(body, COMPLETION_FIELDS)
+    req = ApiRequest(**_common(body, "completion", ("max_tokens",)))
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        req.prompt = prompt
+    elif isinstance(prompt, list) and prompt and all(isinstance(i, int) and not isinstance(i, bool)
+                                                     for i in prompt):
+        req.prompt_ids = list(prompt)
+    elif prompt is None:
+        raise invalid("prompt", "prompt is required", "missing_required_parameter")
+    else:
+        raise invalid("prompt", "prompt must be a string, a list of one string, or a non-empty "
+                      "list of token ids (batched prompts are not supported)")
+    return req
+
+
+def parse_chat(body: Any) -> ApiRequest:
+    """A /v1/chat/completions body (max_completion_tokens wins over the older max_tokens)."""
+    body = _check_fields(body, CHAT_FIELDS)
+    req = ApiRequest(**_common(body, "chat", ("max_completion_tokens", "max_tokens")))
+    if body.get("messages") is None:
+        raise invalid("messages", "messages is required", "missing_required_parameter")
+    req.messages = check_messages(body["messages"])
+    req.prompt_param = "messages"
+    return req
+
+
+def parse_infer(body: Any) -> ApiRequest:
+    """The original /infer body: {"input": str, "max_length": int (optional)}; greedy."""
+    body = _check_fields(body, INFER_FIELDS)
+    text = body.get("input")
+    if not isinstance(text, str) or not text:
+        raise invalid("input", "input must be a non-empty string",
+                      "missing_required_parameter" if text is None else "invalid_value")
+    max_length = None if body.get("max_length") is None else check_int(body["max_length"], "max_length", lo=1)
+    return ApiRequest(kind="completion", prompt=text, prompt_param="input",
+                      sampling=Sampling(max_tokens=max_length, temperature=0.0,
+                                        max_tokens_param="max_length"))
+
+
+def usage_dict(usage) -> dict[str, Any]:
+    """OpenAI's usage block plus the speculative statistics, from a scheduler Usage message."""
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "steps": usage.steps,
+        "drafted_tokens": usage.drafted_tokens,
+        "accepted_tokens": usage.accepted_tokens,
+        "mean_accepted_length": round(float(usage.mean_accepted_length), 4),
+        "acceptance_rate": round(float(usage.acceptance_rate), 4),
+    }
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    """One server-sent event carrying a JSON object."""
+    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+@dataclass
+class OpenAIFormatter:
+    """Response objects and stream chunks of one request, in the OpenAI shapes."""
+
+    kind: str  # "completion" or "chat"
+    request_id: str
+    model: str
+    include_usage: bool = False
+    return_token_ids: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
+                "choices": choices}
+
+    def response(self, text: str, token_ids: list[int], finish_reason: str, usage) -> dict[str, Any]:
+        """The whole (non-streamed) `text_completion` or `chat.completion` object."""
+        if self.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": None, "finish_reason": finish_reason}
+            out = self._envelope("chat.completion", [choice])
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            out = self._envelope("text_completion", [choice])
+        if self.return_token_ids:
+            choice["token_ids"] = list(token_ids)
+        out["usage"] = usage_dict(usage)
+        return out
+
+    def _chunk(self, text: str | None, token_ids: list[int], finish_reason: str | None,
+               role: bool = False) -> dict[str, Any]:
+        if self.kind == "chat":
+            delta: dict[str, Any] = {"role": "assistant"} if role else {}
+            if text is not None and (text or role):
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            out = self._envelope("chat.completion.chunk", [choice])
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            out = self._envelope("text_completion", [choice])
+        if self.return_token_ids:
+            choice["token_ids"] = list(token_ids)
+        if self.include_usage:
+            out["usage"] = None
+        return out
+
+    def start_chunks(self) -> list[dict[str, Any]]:
+        """Chunks sent before any output: a chat stream opens with the assistant role."""
+        return [self._chunk("", [], None, role=True)] if self.kind == "chat" else []
+
+    def event_chunks(self, event) -> list[dict[str, Any]]:
+        """Chunks for one scheduler GenerateEvent (none when it carries nothing to show)."""
+        text, ids, finish = event.text, list(event.token_ids), event.finish_reason or None
+        if not (text or finish or (self.return_token_ids and ids)):
+            return []
+        return [self._chunk(text, ids, finish)]
+
+    def usage_chunk(self, usage) -> dict[str, Any]:
+        """The final chunk of a stream with stream_options.include_usage: no choices, usage."""
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        out = self._envelope(obj, [])
+        out["usage"] = usage_dict(usage)
+        return out
+
+
+def models_response(model: str, root: str, context_length: int, created: int) -> dict[str, Any]:
+    """GET /v1/models: the one served model."""
+    return {"object": "list", "data": [model_card(model, root, context_length, created)]}
+
+
+def model_card(model: str, root: str, context_length: int, created: int) -> dict[str, Any]:
+    return {"id": model, "object": "model", "created": created, "owned_by": "specserve",
+            "root": root, "max_model_len": context_length}
+
+
+def infer_response(text: str, latency_ms: float, usage) -> dict[str, Any]:
+    """POST /infer: the seed API's answer."""
+    return {"output": text, "latency_ms": round(latency_ms, 3), "tokens": usage.completion_tokens,
+            "mean_accepted_length": round(float(usage.mean_accepted_length), 4),
+            "acceptance_rate": round(float(usage.acceptance_rate), 4)}
+

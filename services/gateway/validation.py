@@ -1,0 +1,160 @@
+"""Sampling: the validated generation parameters of one request, shared by the HTTP and the
+public gRPC API so that both accept and refuse exactly the same values.
+
+Every check raises an `ApiError` (400) naming the parameter at fault. Values arrive as plain
+Python objects (decoded JSON, or fields read off a protobuf message), so booleans are refused
+where numbers are expected (in Python, True is an int).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from services.gateway.errors import invalid
+from specserve.v1 import common_pb2
+
+MAX_STOP = 4  # stop strings per request (OpenAI's limit)
+MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
+MAX_DRAFT_LENGTH = 64
+MAX_TREE_SIZE = 256  # the scheduler's limit on draft nodes per step
+INT64 = 2**63
+
+
+def check_int(value: Any, param: str, lo: int | None = None, hi: int | None = None) -> int:
+    """An integer in [lo, hi]."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise invalid(param, f"{param} must be an integer, got {_show(value)}", "invalid_type")
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise invalid(param, f"{param} must be {_range(lo, hi)}, got {value}")
+    return value
+
+
+def check_number(value: Any, param: str, lo: float, hi: float, lo_open: bool = False) -> float:
+    """A finite number in [lo, hi] (or (lo, hi] with lo_open)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise invalid(param, f"{param} must be a number, got {_show(value)}", "invalid_type")
+    value = float(value)
+    low_ok = value > lo if lo_open else value >= lo
+    if not (math.isfinite(value) and low_ok and value <= hi):
+        interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
+        raise invalid(param, f"{param} must be in {interval}, got {value:g}")
+    return value
+
+
+def check_bool(value: Any, param: str) -> bool:
+    if not isinstance(value, bool):
+        raise invalid(param, f"{param} must be a boolean, got {_show(value)}", "invalid_type")
+    return value
+
+
+def check_stop(value: Any, param: str = "stop") -> tuple[str, ...]:
+    """None, one string, or a list of at most MAX_STOP non-empty strings."""
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)):
+        raise invalid(param, f"{param} must be a string or a list of strings, got {_show(value)}",
+                      "invalid_type")
+    if len(items) > MAX_STOP:
+        raise invalid(param, f"{param} accepts at most {MAX_STOP} strings, got {len(items)}")
+    for s in items:
+        if not isinstance(s, str) or not s:
+            raise invalid(param, f"{param} must hold non-empty strings, got {_show(s)}")
+    return tuple(items)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Validated sampling and stopping parameters of one request.
+
+    `max_tokens` None means "the gateway default, capped to what fits the context";
+    `max_tokens_param` is the name the client used for it (max_tokens, max_completion_tokens,
+    max_length), so a context error names the parameter the client actually sent.
+    """
+
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    draft_length: int | None = None
+    tree_size: int | None = None
+    max_tokens_param: str = "max_tokens"
+
+    def to_proto(self, max_tokens: int) -> common_pb2.SamplingParams:
+        params = common_pb2.SamplingParams(max_tokens=max_tokens, temperature=self.temperature,
+                                           top_p=self.top_p, top_k=self.top_k, stop=list(self.stop),
+                                           ignore_eos=self.ignore_eos)
+        if self.seed is not None:
+            params.seed = self.seed
+        return params
+
+
+def parse_sampling(body: Mapping[str, Any], *, default_temperature: float = 1.0,
+                   max_tokens_params: tuple[str, ...] = ("max_tokens",)) -> Sampling:
+    """Validate the sampling fields of a request body (missing or null = default).
+
+    With several names for max_tokens (chat accepts max_completion_tokens too), the first one
+    present wins.
+    """
+    max_tokens, max_param = None, max_tokens_params[0]
+    for name in max_tokens_params:
+        if body.get(name) is not None:
+            max_tokens, max_param = check_int(body[name], name, lo=1), name
+            break
+    get = body.get
+    top_k = 0 if get("top_k") is None else check_int(get("top_k"), "top_k", lo=-1)
+    return Sampling(
+        max_tokens=max_tokens,
+        temperature=(default_temperature if get("temperature") is None
+                     else check_number(get("temperature"), "temperature", 0.0, MAX_TEMPERATURE)),
+        top_p=1.0 if get("top_p") is None else check_number(get("top_p"), "top_p", 0.0, 1.0, lo_open=True),
+        top_k=max(top_k, 0),  # -1 means off, as in vLLM
+        seed=None if get("seed") is None else check_int(get("seed"), "seed", -INT64, INT64 - 1),
+        stop=check_stop(get("stop")),
+        ignore_eos=False if get("ignore_eos") is None else check_bool(get("ignore_eos"), "ignore_eos"),
+        draft_length=(None if get("draft_length") is None
+                      else check_int(get("draft_length"), "draft_length", 0, MAX_DRAFT_LENGTH)),
+        tree_size=(None if get("tree_size") is None
+                   else check_int(get("tree_size"), "tree_size", 0, MAX_TREE_SIZE)),
+        max_tokens_param=max_param,
+    )
+
+
+def fit_max_tokens(sampling: Sampling, prompt_tokens: int, context: int, default: int,
+                   prompt_param: str) -> int:
+    """The max_tokens to send: the requested one if prompt + max_tokens fits the context (else a
+    400 naming the max_tokens parameter), or the default capped to the room left."""
+    if prompt_tokens < 1:
+        raise invalid(prompt_param, f"{prompt_param} must contain at least one token")
+    room = context - prompt_tokens
+    if room < 1:
+        raise invalid(prompt_param, f"the prompt has {prompt_tokens} tokens, which leaves no room "
+                      f"for output in the model's context of {context} tokens",
+                      "context_length_exceeded")
+    if sampling.max_tokens is None:
+        return min(default, room)
+    if sampling.max_tokens > room:
+        name = sampling.max_tokens_param
+        raise invalid(name, f"{name} ({sampling.max_tokens}) + prompt tokens ({prompt_tokens}) = "
+                      f"{sampling.max_tokens + prompt_tokens} exceeds the model's context of "
+                      f"{context} tokens", "context_length_exceeded")
+    return sampling.max_tokens
+
+
+def _range(lo: int | None, hi: int | None) -> str:
+    if hi is None:
+        return f">= {lo}"
+    if lo is None:
+        return f"<= {hi}"
+    return f"in [{lo}, {hi}]"
+
+
+def _show(value: Any) -> str:
+    text = repr(value) if not isinstance(value, (dict, list)) else type(value).__name__
+    return text if len(text) <= 40 else text[:37] + "..."

