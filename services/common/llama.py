@@ -134,7 +134,7 @@ class LlamaModel:
             return self.tree_attention(
                 q, [ch.cache.k[li] for ch in chunks], [ch.cache.v[li] for ch in chunks],
                 [p[2] for p in plans], [p[1] for p in plans], kernel_parents, check_parents=(li == 0))
-        attn = torch.empty_like(q)
+        attn = torch.empty_like(q) if len(chunks) > 1 else None
         for ch, (off, n, start, mask, _) in zip(chunks, plans):
             kc, vc = ch.cache.k[li], ch.cache.v[li]  # [kv_heads, capacity, head_dim]
             # Query heads of one KV group share its keys: [kv_heads, group * n, head_dim]
@@ -143,7 +143,10 @@ class LlamaModel:
             # 4-D inputs take torch's fused CPU kernel (3-D ones fall back to the math path).
             o = F.scaled_dot_product_attention(qs[None], kc[None, :, : start + n], vc[None, :, : start + n],
                                                attn_mask=mask)[0]
-            attn[off : off + n] = o.view(c.num_kv_heads, group, n, d).permute(2, 0, 1, 3).reshape(n, c.num_heads, d)
+            o = o.view(c.num_kv_heads, group, n, d).permute(2, 0, 1, 3)  # [n, kv_heads, group, head_dim]
+            if attn is None:  # one sequence: no packed output to fill
+                return o.reshape(n, c.num_heads, d)
+            attn[off : off + n] = o.reshape(n, c.num_heads, d)
         return attn
 
     @torch.inference_mode()
@@ -187,13 +190,14 @@ class LlamaModel:
         for li, L in enumerate(self.layers):
             h = F.rms_norm(x, (c.hidden_size,), L["ln1"], c.rms_norm_eps)
             qkv = self.linear(h, L["wqkv"], L["bqkv"])  # [N, hq + 2 hk]
-            q = qkv[:, :hq].view(-1, c.num_heads, d)
-            k = qkv[:, hq : hq + hk].view(-1, c.num_kv_heads, d)
             v = qkv[:, hq + hk :].view(-1, c.num_kv_heads, d)
-            if L["q_norm"] is not None:
-                q = F.rms_norm(q, (d,), L["q_norm"], c.rms_norm_eps)
-                k = F.rms_norm(k, (d,), L["k_norm"], c.rms_norm_eps)
-            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+            if L["q_norm"] is None:  # rotate q and k together: [N, heads + kv_heads, head_dim]
+                qk = self._rope(qkv[:, : hq + hk].view(-1, c.num_heads + c.num_kv_heads, d), cos, sin)
+                q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
+            else:  # Qwen3: per-head RMSNorm on q and k before RoPE
+                q = F.rms_norm(qkv[:, :hq].view(-1, c.num_heads, d), (d,), L["q_norm"], c.rms_norm_eps)
+                k = F.rms_norm(qkv[:, hq : hq + hk].view(-1, c.num_kv_heads, d), (d,), L["k_norm"], c.rms_norm_eps)
+                q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
             attn = self._attention(li, q, k, v, chunks, plans, kernel_parents)  # [N, heads, head_dim]
             x = x + self.linear(attn.reshape(-1, hq), L["wo"])
             h = F.rms_norm(x, (c.hidden_size,), L["ln2"], c.rms_norm_eps)

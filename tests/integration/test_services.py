@@ -126,3 +126,35 @@ def test_sigterm_drains_in_flight_requests(tmp_path, home, stack):
         assert sched.proc.wait(30) == 0
     finally:
         st.stop_all()
+
+
+def test_telemetry_reaches_redis(stack, redis_url):
+    import redis
+
+    asyncio.run(generate(stack.scheduler_addr, "telemetry", PROMPTS[0], max_tokens=12))
+    client = redis.Redis.from_url(redis_url)
+    deadline = time.monotonic() + 5
+    while True:
+        keys = list(client.scan_iter("specserve:accept:*"))
+        if keys and int(client.hget(keys[0], "drafted:1") or 0) > 0:
+            break
+        assert time.monotonic() < deadline, f"no acceptance telemetry in Redis: {keys}"
+        time.sleep(0.1)
+    fields = {k.decode() for k in client.hkeys(keys[0])}
+    assert {"drafted:1", "steps", "tree_nodes"} <= fields
+    latency = list(client.scan_iter("specserve:latency:*"))
+    assert latency and float(client.hget(latency[0], "verify_ms_sum")) > 0
+
+
+def test_redis_outage_never_fails_a_request(tmp_path, home, stack):
+    """A scheduler whose Redis is unreachable still serves, with the same tokens."""
+    st = Stack(tmp_path, stack_env(home, REDIS_URL="redis://127.0.0.1:9/0"))
+    sched = st.start("scheduler", "--target", str(stack.target), "--draft-addrs", stack.draft_addr,
+                     "--verifier-addrs", stack.verifier_addr, "--draft-length", "3", "--tree-size", "5")
+    try:
+        st.wait_healthy(sched)
+        got = asyncio.run(generate(sched.addr, "no-redis", PROMPTS[2], max_tokens=20))
+        assert got["token_ids"] == stack.engine_generate_ids(PROMPTS[2], max_tokens=20)["token_ids"]
+    finally:
+        st.stop_all()
+    assert "Redis unavailable" in sched.log.read_text()
