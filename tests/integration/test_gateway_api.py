@@ -12,7 +12,8 @@ import grpc
 import httpx
 import pytest
 
-from specserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, scheduler_pb2_grpc
+from specserve.v1 import (common_pb2, draft_pb2_grpc, gateway_pb2, gateway_pb2_grpc, scheduler_pb2_grpc,
+                          verifier_pb2_grpc)
 
 PROMPTS = ["w5 w6 w7 w8 w5 w6", "w11 w12 w13 w14 w15", "w20 w21 w20 w21 w20"]
 SAMPLINGS = [dict(temperature=0.0), dict(temperature=0.9, top_p=0.9, seed=7),
@@ -185,10 +186,22 @@ def test_client_disconnect_mid_stream_cancels_the_request(stack):
             assert request_id in state.request_ids  # still generating
             steps_at_first = state.steps
         # the connection is closed here, mid-stream
-    deadline = time.monotonic() + 10
-    while request_id in (state := scheduler_state(stack)).request_ids and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert request_id not in state.request_ids
+    # Freed in the scheduler, the draft and the verifier within one second.
+    def holders() -> list[str]:
+        held = []
+        for addr, stub_cls in ((stack.scheduler_addr, scheduler_pb2_grpc.SchedulerServiceStub),
+                               (stack.draft_addr, draft_pb2_grpc.DraftServiceStub),
+                               (stack.verifier_addr, verifier_pb2_grpc.VerifierServiceStub)):
+            with grpc.insecure_channel(addr) as ch:
+                if request_id in stub_cls(ch).State(common_pb2.StateRequest(), timeout=5).request_ids:
+                    held.append(addr)
+        return held
+
+    deadline = time.monotonic() + 1.0
+    while (held := holders()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not held, f"request state still held after 1 s by {held}"
+    state = scheduler_state(stack)
     # Cancelled, not finished: a step outputs at most tree size + 1 <= 6 tokens (conftest's
     # TREE_SIZE is 5), so finishing the remaining tokens would have taken far more steps.
     assert state.steps - steps_at_first < (max_tokens - 1) // 6
