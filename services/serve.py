@@ -123,4 +123,10 @@ ROLE_MAIN = {"draft": serve_draft, "verifier": serve_verifier, "scheduler": serv
 
 
 def serve(role: str, args) -> None:
+    # Roles that run no model forward keep torch to one thread: its idle worker threads would
+    # otherwise spin on the cores the verifier's forward needs (on a small machine all share them).
+    if role in ("scheduler", "gateway") or (role == "draft" and args.draft == "ngram"):
+        import torch
+
+        torch.set_num_threads(1)
     asyncio.run(ROLE_MAIN[role](args))

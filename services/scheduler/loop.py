@@ -151,8 +151,8 @@ class SchedulerLoop:
             msg = (draft_pb2.ProposeStep(release=ids) if rep.kind == "draft" else verifier_pb2.VerifyStep(release=ids))
             try:
                 await rep.step(msg)
-            except WorkerDown:
-                pass  # its stream is gone, and with it the replica's state for these requests
+            except WorkerDown as e:  # its stream is gone, and with it the replica's state for these
+                log.info("release not delivered (%s): the replica dropped the state with the stream", e)
 
     async def _exchange(self, groups: dict[Replica, list[Live]], build) -> dict[Replica, object]:
         """Send one step message per replica concurrently; a failed replica maps to None."""
