@@ -232,6 +232,10 @@ class SchedulerLoop:
         results = await self._exchange(verify_groups, build_verify)
         t2 = time.perf_counter()
         self.steps += 1
+        if log.isEnabledFor(logging.DEBUG):
+            worker_ms = max((r.timing.compute_ms for r in results.values() if r is not None), default=0.0)
+            log.debug("step %d: %d requests, draft %.1f ms (worker %.1f), verify %.1f ms (worker %.1f)",
+                      self.steps, len(batch), (t1 - t0) * 1e3, draft_ms, (t2 - t1) * 1e3, worker_ms)
         for rep, res in results.items():
             if res is None:  # the replica failed: its requests are reassigned and re-prefilled
                 continue
