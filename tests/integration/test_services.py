@@ -103,29 +103,46 @@ def test_sigterm_drains_in_flight_requests(tmp_path, home, stack):
     """A scheduler of its own (on the shared workers): SIGTERM turns health NOT_SERVING, the
     request in flight still completes, and the process exits cleanly."""
     st = Stack(tmp_path, stack_env(home))
+    # Plain decoding (k=0): one token per step, so the request stays in flight long enough.
     sched = st.start("scheduler", "--target", str(stack.target), "--draft-addrs", stack.draft_addr,
-                     "--verifier-addrs", stack.verifier_addr, "--draft-length", "2")
+                     "--verifier-addrs", stack.verifier_addr, "--draft-length", "0")
     try:
         st.wait_healthy(sched)
 
         async def scenario():
-            task = asyncio.create_task(generate(sched.addr, "drain-me", [5, 6, 7], max_tokens=120, ignore_eos=True))
-            await asyncio.sleep(0.5)  # in flight
-            sched.proc.send_signal(signal.SIGTERM)
-            statuses = []
-            for _ in range(40):
-                statuses.append(grpc_health(sched.addr, timeout=0.5))
-                if statuses[-1] == health_pb2.HealthCheckResponse.NOT_SERVING:
-                    break
-                await asyncio.sleep(0.05)
-            return await task, statuses
+            async with grpc.aio.insecure_channel(sched.addr) as ch:
+                stub = scheduler_pb2_grpc.SchedulerServiceStub(ch)
+                call = stub.Generate(scheduler_pb2.GenerateRequest(
+                    request_id="drain-me", prompt_ids=[5, 6, 7],
+                    params=common_pb2.SamplingParams(max_tokens=240, ignore_eos=True)), timeout=120)
+                first = await call.read()  # the request is running
+                sched.proc.send_signal(signal.SIGTERM)
+                # Poll health from a thread while this loop keeps reading the stream.
+                statuses = asyncio.create_task(asyncio.to_thread(poll_until_not_serving, sched.addr))
+                tokens, finish = list(first.token_ids), first.finish_reason
+                while not finish:
+                    ev = await call.read()
+                    assert ev is not grpc.aio.EOF, "stream ended without a finish reason"
+                    tokens += ev.token_ids
+                    finish = ev.finish_reason
+                return tokens, finish, await statuses
 
-        result, statuses = asyncio.run(scenario())
-        assert health_pb2.HealthCheckResponse.NOT_SERVING in statuses
-        assert result["finish_reason"] == "length" and len(result["token_ids"]) == 120
+        tokens, finish, statuses = asyncio.run(scenario())
+        assert health_pb2.HealthCheckResponse.NOT_SERVING in statuses, statuses
+        assert finish == "length" and len(tokens) == 240
         assert sched.proc.wait(30) == 0
     finally:
         st.stop_all()
+
+
+def poll_until_not_serving(addr: str) -> list:
+    statuses = []
+    for _ in range(100):
+        statuses.append(grpc_health(addr, timeout=0.5))
+        if statuses[-1] in (health_pb2.HealthCheckResponse.NOT_SERVING, None):
+            break
+        time.sleep(0.01)
+    return statuses
 
 
 def test_telemetry_reaches_redis(stack, redis_url):
