@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,9 +13,11 @@ import grpc
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    422: "invalid_request_error",
     429: "rate_limit_error",
     499: "cancelled",
     500: "internal_error",
@@ -26,8 +29,10 @@ ERROR_TYPES = {
 GRPC_CODES = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
     401: grpc.StatusCode.UNAUTHENTICATED,
+    403: grpc.StatusCode.PERMISSION_DENIED,
     404: grpc.StatusCode.NOT_FOUND,
     413: grpc.StatusCode.INVALID_ARGUMENT,
+    422: grpc.StatusCode.INVALID_ARGUMENT,
     429: grpc.StatusCode.RESOURCE_EXHAUSTED,
     499: grpc.StatusCode.CANCELLED,
     500: grpc.StatusCode.INTERNAL,
@@ -41,7 +46,9 @@ class ApiError(Exception):
     """A request failure with everything both APIs need to report it.
 
     `param` names the offending request parameter (OpenAI's convention), `code` is a short
-    machine-readable reason such as "invalid_api_key" or "model_not_found".
+    machine-readable reason such as "invalid_api_key" or "model_not_found". `retry_after`
+    (seconds) is when a refused request may be retried: HTTP's Retry-After header, gRPC's
+    `retry-after` trailing metadata.
     """
 
     status: int
@@ -49,6 +56,7 @@ class ApiError(Exception):
     param: str | None = None
     code: str | None = None
     type: str | None = None
+    retry_after: float | None = None
 
     def __post_init__(self) -> None:
         super().__init__(self.message)
@@ -61,6 +69,20 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
 
+    def headers(self) -> dict[str, str] | None:
+        """HTTP headers of the error response: WWW-Authenticate on 401, Retry-After (whole
+        seconds, rounded up) when the request may be retried later."""
+        out = {}
+        if self.status == 401:
+            out["WWW-Authenticate"] = "Bearer"
+        if self.retry_after is not None:
+            out["Retry-After"] = str(retry_seconds(self.retry_after))
+        return out or None
+
+    def grpc_metadata(self) -> tuple[tuple[str, str], ...]:
+        """Trailing metadata of the gRPC status (retry-after, in whole seconds)."""
+        return (("retry-after", str(retry_seconds(self.retry_after))),) if self.retry_after is not None else ()
+
     @property
     def grpc_code(self) -> grpc.StatusCode:
         return GRPC_CODES.get(self.status, grpc.StatusCode.INTERNAL if self.status >= 500
@@ -70,6 +92,12 @@ class ApiError(Exception):
     def grpc_message(self) -> str:
         return f"{self.param}: {self.message}" if self.param and self.param not in self.message \
             else self.message
+
+
+def retry_seconds(seconds: float) -> int:
+    """Retry-After in whole seconds: rounded up, at least 1, so a client waiting that long is
+    never early."""
+    return max(1, math.ceil(seconds - 1e-9))
 
 
 def invalid(param: str | None, message: str, code: str | None = "invalid_value") -> ApiError:

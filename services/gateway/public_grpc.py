@@ -1,18 +1,21 @@
 """The public gRPC API (`specserve.v1.Generation`), the HTTP API's twin.
 
 The servicer only translates: a `TextRequest` becomes the same `ApiRequest` the HTTP API builds
-(same validation, same API keys, read from the `authorization: Bearer KEY` metadata), the
-scheduler's events become `TextChunk`s, and an `ApiError` becomes a gRPC status (401
-UNAUTHENTICATED, 400 INVALID_ARGUMENT, 404 NOT_FOUND, 429 RESOURCE_EXHAUSTED, 503 UNAVAILABLE).
-A client that cancels its call cancels the scheduler call with it.
+(same validation and size limit, same authentication: the `authorization: Bearer KEY-or-JWT`
+metadata and the peer's address; same rate limits), the scheduler's events become `TextChunk`s,
+and an `ApiError` becomes a gRPC status (401 UNAUTHENTICATED, 403 PERMISSION_DENIED, 400/413
+INVALID_ARGUMENT, 404 NOT_FOUND, 429 RESOURCE_EXHAUSTED with `retry-after` trailing metadata,
+503 UNAVAILABLE). A client that cancels its call cancels the scheduler call with it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from services.gateway.core import Gateway, event_error, incomplete_stream
 from services.gateway.errors import ApiError, invalid
@@ -49,6 +52,13 @@ def api_request(request: gateway_pb2.TextRequest) -> ApiRequest:
                       prompt=request.prompt)
 
 
+def peer_host(peer: str | None) -> str | None:
+    """The client address of a gRPC peer string ("ipv4:1.2.3.4:5", "ipv6:[::1]:5"); None for
+    other transports (unix sockets), which an IP allowlist then refuses."""
+    m = re.fullmatch(r"ipv4:([\d.]+):\d+|ipv6:\[([0-9A-Fa-f:.%\w]+)\]:\d+", peer or "")
+    return (m.group(1) or m.group(2)) if m else None
+
+
 def _bearer(context: grpc.aio.ServicerContext) -> str | None:
     for key, value in context.invocation_metadata() or ():
         if key.lower() == "authorization":
@@ -76,29 +86,29 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
         """Return once no call is in flight."""
         await self._idle.wait()
 
-    def _prepare(self, request: gateway_pb2.TextRequest,
-                 context: grpc.aio.ServicerContext) -> scheduler_pb2.GenerateRequest:
-        self.gateway.keys.check_authorization(_bearer(context))
-        return self.gateway.build(api_request(request), self.gateway.new_request_id("gen"))
+    async def _prepare(self, request: gateway_pb2.TextRequest,
+                       context: grpc.aio.ServicerContext) -> scheduler_pb2.GenerateRequest:
+        principal = self.gateway.auth.authenticate(_bearer(context), peer_host(context.peer()))
+        return await self.gateway.prepare(api_request(request), self.gateway.new_request_id("gen"), principal)
 
     async def Generate(self, request: gateway_pb2.TextRequest,
                        context: grpc.aio.ServicerContext) -> gateway_pb2.TextResponse:
         self._enter()
         try:
-            scheduler_request = self._prepare(request, context)
+            scheduler_request = await self._prepare(request, context)
             done = await self.gateway.collect(scheduler_request)
             return gateway_pb2.TextResponse(id=scheduler_request.request_id, text=done.text,
                                             token_ids=done.token_ids, finish_reason=done.finish_reason,
                                             usage=done.usage)
         except ApiError as e:
-            await context.abort(e.grpc_code, e.grpc_message)
+            await context.abort(e.grpc_code, e.grpc_message, e.grpc_metadata())
         finally:
             self._leave()
 
     async def GenerateStream(self, request: gateway_pb2.TextRequest, context: grpc.aio.ServicerContext):
         self._enter()
         try:
-            scheduler_request = self._prepare(request, context)
+            scheduler_request = await self._prepare(request, context)
             rid = scheduler_request.request_id
             async with self.gateway.stream(scheduler_request) as events:
                 async for event in events:
@@ -114,10 +124,38 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
                         return
                 raise incomplete_stream()
         except ApiError as e:
-            await context.abort(e.grpc_code, e.grpc_message)
+            await context.abort(e.grpc_code, e.grpc_message, e.grpc_metadata())
         finally:
             self._leave()
 
 
+    async def _parse(self, raw: bytes, context: grpc.aio.ServicerContext) -> gateway_pb2.TextRequest:
+        """The request bytes as a TextRequest: INVALID_ARGUMENT beyond the size limit or when they
+        do not parse (invalid UTF-8 in a string field), where gRPC itself would say UNKNOWN."""
+        limit = self.gateway.config.max_body_bytes
+        if len(raw) > limit:
+            e = ApiError(413, f"the request message is larger than {limit} bytes", code="body_too_large")
+            await context.abort(e.grpc_code, e.grpc_message)
+        try:
+            return gateway_pb2.TextRequest.FromString(raw)
+        except DecodeError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the request is not a valid TextRequest: {e}")
+
+    async def generate_bytes(self, raw: bytes, context: grpc.aio.ServicerContext) -> gateway_pb2.TextResponse:
+        return await self.Generate(await self._parse(raw, context), context)
+
+    async def generate_stream_bytes(self, raw: bytes, context: grpc.aio.ServicerContext):
+        async for chunk in self.GenerateStream(await self._parse(raw, context), context):
+            yield chunk
+
+
 def add_to_server(servicer: GenerationServicer, server: grpc.aio.Server) -> None:
-    gateway_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+    """Serve `servicer` as specserve.v1.Generation, parsing requests itself (see `_parse`)."""
+    handlers = {
+        "Generate": grpc.unary_unary_rpc_method_handler(
+            servicer.generate_bytes, response_serializer=gateway_pb2.TextResponse.SerializeToString),
+        "GenerateStream": grpc.unary_stream_rpc_method_handler(
+            servicer.generate_stream_bytes, response_serializer=gateway_pb2.TextChunk.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)

@@ -1,5 +1,7 @@
-"""Sampling: the validated generation parameters of one request, shared by the HTTP and the
-public gRPC API so that both accept and refuse exactly the same values.
+"""Input validation shared by the HTTP and the public gRPC API, so that both accept and refuse
+exactly the same values: `Sampling` (the generation parameters of one request), text checks
+(`check_text`: no unpaired surrogates, i.e. valid UTF-8) and `DenyPatterns` (regular expressions
+a prompt must not match).
 
 Every check raises an `ApiError` (400) naming the parameter at fault. Values arrive as plain
 Python objects (decoded JSON, or fields read off a protobuf message), so booleans are refused
@@ -9,11 +11,13 @@ where numbers are expected (in Python, True is an int).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+import re
+from collections.abc import Iterable, Mapping
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Any
 
-from services.gateway.errors import invalid
+from services.gateway.errors import ApiError, invalid
 from specserve.v1 import common_pb2
 
 MAX_STOP = 4  # stop strings per request (OpenAI's limit)
@@ -50,6 +54,57 @@ def check_bool(value: Any, param: str) -> bool:
     return value
 
 
+def check_text(value: str, param: str) -> str:
+    """A string that encodes to UTF-8: JSON escapes can smuggle in unpaired surrogates
+    ("\\ud800"), which no tokenizer or protobuf string accepts."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ApiError(400, f"{param} is not valid UTF-8: an unpaired surrogate "
+                       f"{value[e.start]!r} at character {e.start}", param=param,
+                       code="invalid_utf8") from None
+    return value
+
+
+class DenyPatterns:
+    """Regular expressions (Python `re` syntax, searched anywhere in the text) that refuse a
+    prompt with a 400 naming the field that matched. Use `(?i)` for case-insensitive ones."""
+
+    def __init__(self, patterns: Iterable[str] = (), param: str = "--deny-patterns"):
+        self.patterns: list[re.Pattern[str]] = []
+        for text in patterns:
+            try:
+                self.patterns.append(re.compile(text))
+            except re.error as e:
+                raise ValueError(f"{param}: {text!r} is not a valid regular expression: {e}") from None
+
+    @classmethod
+    def from_setting(cls, value: str | None, param: str = "--deny-patterns") -> "DenyPatterns":
+        """From SPECSERVE_DENY_PATTERNS: one pattern per line, or `@PATH` for a file of them
+        (one per line; blank lines and lines starting with # are skipped)."""
+        value = value or ""
+        if value.strip().startswith("@"):
+            path = Path(value.strip()[1:]).expanduser()
+            try:
+                value = path.read_text(encoding="utf-8")
+            except OSError as e:
+                raise ValueError(f"{param}: cannot read {path}: {e.strerror or e}") from None
+        lines = (line.strip() for line in value.splitlines())
+        return cls((line for line in lines if line and not line.startswith("#")), param)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.patterns)
+
+    def check(self, text: str, param: str) -> None:
+        """Refuse `text` (the field `param`) when a pattern matches it. The message gives the
+        pattern's number, not the pattern, so that it does not teach how to get around it."""
+        for n, pattern in enumerate(self.patterns, 1):
+            if pattern.search(text):
+                raise ApiError(400, f"{param} matches deny pattern #{n} of this server; the request "
+                               "is refused", param=param, code="prompt_denied")
+
+
 def check_stop(value: Any, param: str = "stop") -> tuple[str, ...]:
     """None, one string, or a list of at most MAX_STOP non-empty strings."""
     if value is None:
@@ -63,6 +118,7 @@ def check_stop(value: Any, param: str = "stop") -> tuple[str, ...]:
     for s in items:
         if not isinstance(s, str) or not s:
             raise invalid(param, f"{param} must hold non-empty strings, got {_show(s)}")
+        check_text(s, param)
     return tuple(items)
 
 
