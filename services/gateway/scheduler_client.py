@@ -6,7 +6,8 @@ failure is final, since output already went to the client.
 
 `SchedulerClient.stream(request)` opens one `Generate` call as a `SchedulerStream`: an async
 iterator of `GenerateEvent`s and an async context manager whose exit cancels the call, which
-cancels the request on the scheduler and frees its state on the workers. gRPC failures surface as
+cancels the request on the scheduler and frees its state on the workers; the call carries the
+current W3C trace context as `traceparent` metadata. gRPC failures surface as
 `ApiError`s with the HTTP status they map to (UNAVAILABLE 503, INVALID_ARGUMENT 400,
 RESOURCE_EXHAUSTED 429, DEADLINE_EXCEEDED 504, anything else 500).
 """
@@ -20,6 +21,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.grpc_server import CHANNEL_OPTIONS
+from services.common.tracing import inject_metadata
 from services.gateway.errors import ApiError
 from specserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
@@ -80,7 +82,8 @@ class SchedulerStream:
                 raise StopAsyncIteration
             if self._call is None:
                 self._tried += 1
-                self._call = self._client.pick().Generate(self._request)
+                # The current trace context (the HTTP request's span) rides along as `traceparent`.
+                self._call = self._client.pick().Generate(self._request, metadata=inject_metadata() or None)
             try:
                 event = await self._call.read()
             except grpc.aio.AioRpcError as e:

@@ -5,15 +5,16 @@ from __future__ import annotations
 import time
 
 from services.common import codec
+from services.common.metrics import WorkerMetrics
 from services.common.worker import StepWorker
 from services.verifier.verifier import Verifier, VerifyItem
 from specserve.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
-    def __init__(self, verifier: Verifier, info: common_pb2.InfoResponse):
+    def __init__(self, verifier: Verifier, info: common_pb2.InfoResponse, metrics: WorkerMetrics | None = None):
         self.verifier = verifier
-        self.worker = StepWorker(info, 1, verifier.release, verifier.cache_bytes)
+        self.worker = StepWorker(info, 1, verifier.release, verifier.cache_bytes, metrics)
 
     def _step(self, step: verifier_pb2.VerifyStep) -> verifier_pb2.VerifyResult:
         started = time.perf_counter()
@@ -21,6 +22,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             self.worker.release(rid)
         items, slots, verdicts = [], [], []
         for pb in step.items:
+            self.worker.trace(pb.request_id, pb.traceparent)
             tokens = self.worker.ledger.update(pb.request_id, pb.offset, list(pb.tokens))
             verdicts.append(verifier_pb2.Verdict(request_id=pb.request_id, need_resync=tokens is None))
             if tokens is None:
@@ -32,7 +34,14 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         if items:  # one target forward for every request of the step
             for slot, item, verdict in zip(slots, items, self.verifier.verify(items)):
                 verdicts[slot].CopyFrom(codec.verdict_to_pb(item.req_id, verdict))
-        self.worker.count_step(len(items))
+        traced = {}
+        if self.worker.spans.spans:  # only for traced requests
+            traced = {pb.request_id: {"specserve.step_id": step.step_id, "specserve.tree_nodes": len(pb.tree.tokens),
+                                      "specserve.accepted_tokens": len(v.accepted_nodes),
+                                      "specserve.output_tokens": len(v.tokens), "specserve.bonus": v.bonus,
+                                      "specserve.batch_size": len(items), "specserve.need_resync": v.need_resync}
+                      for pb, v in zip(step.items, verdicts) if pb.request_id in self.worker.spans.spans}
+        self.worker.count_step(len(items), started, traced)
         timing = common_pb2.StepTiming(compute_ms=(time.perf_counter() - started) * 1e3, batch_size=len(items),
                                        tokens=sum(len(i.tree) + 1 for i in items))
         return verifier_pb2.VerifyResult(step_id=step.step_id, verdicts=verdicts, timing=timing)
