@@ -27,7 +27,23 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from scripts.bench_plain import commit, load_questions, machine, update_section  # noqa: E402
+from services.bench import questions as _questions, report as _report  # noqa: E402
+from services.bench.report import update_section  # noqa: E402
+
+
+def load_questions(path: Path, per_category: int) -> list[dict]:
+    return [{"question_id": q.question_id, "category": q.category, "turns": [q.text]}
+            for q in _questions.load_questions(path, limit=per_category)]
+
+
+def commit() -> str:
+    return _report.commit()["commit"]
+
+
+def machine() -> str:
+    return _report.machine_line(_report.machine())
+
+
 from services.cli import encode_prompt  # noqa: E402
 from services.common.loading import load_model  # noqa: E402
 from services.common.sampling import SamplingParams  # noqa: E402

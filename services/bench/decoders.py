@@ -1,0 +1,209 @@
+"""The decoders a speculative benchmark times side by side: this engine (plain, or with a draft at
+each draft length) and the Hugging Face peers on the same weights (`generate`, assisted generation
+with the same draft model, prompt lookup).
+
+Every decoder turns one prompt into output token ids with the same stopping rule: at most
+max_tokens tokens, ending at the first EOS (included). Each names its `baseline`, the plain decoder
+of the same engine, against which its speedup is measured.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from services.common.loading import LoadedModel, resolve_checkpoint, resolve_device, resolve_dtype
+from services.common.sampling import SamplingParams
+from services.draft.factory import build_proposer
+from services.draft.proposer import Proposer
+from services.scheduler.engine import Engine, EngineConfig
+
+OURS, HF = "specserve", "hf"
+PLAIN, HF_PLAIN = "plain", "hf_generate"
+DEFAULT_HF_K = 4  # the HF peers' draft length when every engine configuration is adaptive
+
+
+@dataclass
+class Decoded:
+    token_ids: list[int]
+    elapsed_s: float  # wall time of the whole request, prefill included
+    steps: int  # target forwards (one per step; = tokens for plain decoding)
+    drafted: int | None  # draft tokens proposed; None where the engine does not report it
+    accepted: int | None  # draft tokens accepted; None likewise
+
+
+class Decoder:
+    name: str
+    engine: str  # OURS or HF
+    baseline: str  # the same engine's plain decoder
+    draft: str  # none, ngram, self, a checkpoint path, or prompt_lookup
+    draft_length: int | str | None
+
+    def decode(self, prompt_ids: list[int], params: SamplingParams) -> Decoded:
+        raise NotImplementedError
+
+    def describe(self) -> dict:
+        return {"name": self.name, "engine": self.engine, "baseline": self.baseline, "draft": self.draft,
+                "draft_length": self.draft_length}
+
+
+class EngineDecoder(Decoder):
+    """This engine in-process (the same scheduler loop as the services), one request at a time."""
+
+    engine = OURS
+    baseline = PLAIN
+
+    def __init__(self, name: str, target: LoadedModel, proposer: Proposer | None, draft: str,
+                 draft_length: int | str, tree_size: int | None = None):
+        self.name, self.draft, self.draft_length = name, draft, draft_length
+        try:
+            config = EngineConfig(draft_length=draft_length, tree_size=tree_size)
+            self._engine = Engine(target, proposer, config)
+        except TypeError as e:  # an EngineConfig that takes integers only
+            raise ValueError(f"--draft-length {draft_length!r}: this engine does not accept it ({e})") from None
+
+    def decode(self, prompt_ids: list[int], params: SamplingParams) -> Decoded:
+        t0 = time.perf_counter()
+        req = self._engine.generate([prompt_ids], params)[0]
+        elapsed = time.perf_counter() - t0
+        return Decoded(list(req.output_ids), elapsed, req.stats.steps, req.stats.drafted, req.stats.accepted)
+
+
+class HFDecoder(Decoder):
+    """transformers `generate` on the target's checkpoint; with an assistant model (assisted
+    generation) or prompt lookup when given. Counts the target's forward calls as steps."""
+
+    engine = HF
+    baseline = HF_PLAIN
+
+    def __init__(self, name: str, model, eos_token_ids: tuple[int, ...], pad_token_id: int, draft: str = "none",
+                 assistant=None, prompt_lookup: bool = False, draft_length: int | None = None):
+        self.name, self.draft, self.draft_length = name, draft, draft_length
+        self.model, self.assistant, self.prompt_lookup = model, assistant, prompt_lookup
+        self.eos_token_ids, self.pad_token_id = eos_token_ids, pad_token_id
+        self._forwards = 0
+
+        def count(_module, _args):
+            self._forwards += 1
+
+        model.register_forward_pre_hook(count)  # several decoders may share the model: each counts
+
+    def _kwargs(self, params: SamplingParams) -> dict:
+        kw = dict(max_new_tokens=params.max_tokens, eos_token_id=list(self.eos_token_ids),
+                  pad_token_id=self.pad_token_id, do_sample=not params.greedy)
+        if not params.greedy:  # the same warpers as ours (temperature, top-k, top-p), nothing else
+            kw.update(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                      repetition_penalty=1.0)
+        if self.assistant is not None:  # a fixed draft length, like ours: no schedule, no early stop
+            kw.update(assistant_model=self.assistant, num_assistant_tokens=self.draft_length,
+                      num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.0)
+        if self.prompt_lookup:
+            kw["prompt_lookup_num_tokens"] = self.draft_length
+        return kw
+
+    def decode(self, prompt_ids: list[int], params: SamplingParams) -> Decoded:
+        device = next(self.model.parameters()).device
+        ids = torch.tensor([prompt_ids], device=device)  # [1, prompt]
+        kw = self._kwargs(params)
+        if not params.greedy and params.seed is not None:
+            torch.manual_seed(params.seed)
+        self._forwards = 0
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), **kw)  # [1, prompt + new]
+        tokens = out[0, len(prompt_ids):].tolist()
+        elapsed = time.perf_counter() - t0
+        tokens = stop_at_eos(tokens[:params.max_tokens], self.eos_token_ids)
+        return Decoded(tokens, elapsed, self._forwards, None, None)
+
+
+def stop_at_eos(tokens: list[int], eos_token_ids: tuple[int, ...]) -> list[int]:
+    """Tokens up to and including the first EOS (the engine's stopping rule)."""
+    for i, tok in enumerate(tokens):
+        if tok in eos_token_ids:
+            return tokens[:i + 1]
+    return tokens
+
+
+def parse_draft_lengths(text: str) -> list[int | str]:
+    """`4`, `adaptive` or a comma-separated list like `0,2,4,adaptive` (0 = plain decoding)."""
+    out: list[int | str] = []
+    for part in (p.strip() for p in str(text).split(",")):
+        if part == "adaptive":
+            value: int | str = part
+        else:
+            try:
+                value = int(part)
+            except ValueError:
+                value = -1
+            if value < 0:
+                raise ValueError(f"--draft-length: expected integers >= 0 or 'adaptive', got {part!r}")
+        if value not in out:
+            out.append(value)
+    return out
+
+
+def _resolve_draft(draft: str, target: LoadedModel) -> str:
+    """`default` names the committed draft of the default target: its directory (or ngram for
+    another target), so that the HF assistant loads the draft, not the target."""
+    try:
+        from services.draft.factory import resolve_draft_spec
+    except ImportError:  # a factory without a default draft
+        return draft
+    return resolve_draft_spec(draft, target)
+
+
+def _draft_label(draft: str) -> str:
+    return draft if draft in ("none", "ngram", "self") else "draft"
+
+
+@dataclass
+class DecoderSet:
+    decoders: list[Decoder]
+    not_applicable: dict[str, str]  # peer name -> why it does not apply to this draft
+
+
+def build_decoders(target: LoadedModel, draft: str, draft_lengths: list[int | str], tree_size: int | None = None,
+                   device: str = "cpu", dtype: str | None = None, peers: bool = True) -> DecoderSet:
+    """This engine plain and with `draft` at each draft length; with `peers`, HF `generate` and the
+    HF peer matching the draft (assisted generation for a checkpoint, prompt lookup for ngram) at
+    the largest integer draft length."""
+    draft = _resolve_draft(draft, target)
+    label = _draft_label(draft)
+    decoders: list[Decoder] = [EngineDecoder(PLAIN, target, None, "none", 0)]
+    if draft != "none":
+        proposer = build_proposer(draft, target, device=device, dtype=dtype)  # shared: one request at a time
+        for k in draft_lengths:
+            if k == 0:
+                continue  # that is the plain decoder
+            name = f"{label}_k{k}" if k != "adaptive" else f"{label}_adaptive"
+            if tree_size is not None:
+                name += f"_tree{tree_size}"
+            decoders.append(EngineDecoder(name, target, proposer, draft, k, tree_size))
+    if not peers:
+        return DecoderSet(decoders, {})
+    from transformers import AutoModelForCausalLM
+
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    hf = AutoModelForCausalLM.from_pretrained(target.path, dtype=torch_dtype).to(dev).eval()
+    eos = decoders[0]._engine.eos_token_ids
+    pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else eos[0]
+    ints = [k for k in draft_lengths if isinstance(k, int) and k > 0]
+    k = max(ints) if ints else DEFAULT_HF_K
+    decoders.append(HFDecoder(HF_PLAIN, hf, eos, pad))
+    assisted, lookup = f"hf_assisted_k{k}", f"hf_prompt_lookup_k{k}"
+    na: dict[str, str] = {}
+    if draft == "ngram":
+        decoders.append(HFDecoder(lookup, hf, eos, pad, "prompt_lookup", prompt_lookup=True, draft_length=k))
+        na["hf_assisted"] = "runs with --draft PATH, a draft checkpoint"
+    elif draft not in ("none", "self"):
+        assistant = AutoModelForCausalLM.from_pretrained(resolve_checkpoint(draft), dtype=torch_dtype).to(dev).eval()
+        decoders.append(HFDecoder(assisted, hf, eos, pad, draft, assistant=assistant, draft_length=k))
+        na["hf_prompt_lookup"] = "runs with --draft ngram"
+    else:
+        na["hf_assisted"] = "runs with --draft PATH, a draft checkpoint"
+        na["hf_prompt_lookup"] = "runs with --draft ngram"
+    return DecoderSet(decoders, na)
