@@ -44,8 +44,9 @@ RUN pip install --no-deps -e ".${EXTRAS:+[$EXTRAS]}" \
     && cd / && python -c "import services.cli, services.serve, specserve.v1.draft_pb2_grpc"
 
 USER specserve
-# Dequantize the default model now (about 40 s), so a container serves within seconds.
-RUN specserve prepare --target default
+# Dequantize the default model and the committed default draft (models/draft, copied above) now
+# (about a minute), so a container serves within seconds.
+RUN specserve prepare --target default && specserve prepare --target /app/models/draft
 
 # gRPC: gateway 50050, scheduler 50051, draft 50052, verifier 50053; the gateway's HTTP: 8000.
 EXPOSE 50050 50051 50052 50053 8000

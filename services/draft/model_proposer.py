@@ -11,6 +11,10 @@ sampled children (drawn without replacement from q, the draft's distribution tru
 Draft KV cache per request: slots [0, len(cached)) hold committed tokens, the tree nodes fed to
 the draft follow in node order. On the next step the accepted path is found by walking the new
 committed tokens down the previous tree, and `KVCache.keep` moves its KV next to the prefix.
+
+SlimSpec (services/draft/slim.py): with a slim head, a step's forwards score only the kept ids and
+q is the softmax over them (zero elsewhere), mapped back to target ids. The quality guard
+(services/draft/slim_guard.py) picks the head per step and is told each tree's accepted length.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from services.common.llama import Chunk, LlamaModel
 from services.common.sampling import warp_probs
 from services.common.tree import DraftTree
 from services.draft.proposer import ProposeItem, Proposer
+from services.draft.slim import SlimHead
+from services.draft.slim_guard import SlimGuard
 
 
 @dataclass
@@ -32,6 +38,7 @@ class _State:
     cache: KVCache
     cached: list[int] = field(default_factory=list)  # committed tokens in slots 0..len-1
     tree: DraftTree | None = None  # the previous step's tree
+    tree_slim: bool = False  # whether the slim head drafted it
     fed: int = 0  # nodes 0..fed-1 of that tree have KV in slots len(cached)..
 
 
@@ -49,8 +56,11 @@ class _Work:
 class ModelProposer(Proposer):
     name = "model"
 
-    def __init__(self, model: LlamaModel, vocab_size: int, branch: int = 4, q_support: int = 32):
+    def __init__(self, model: LlamaModel, vocab_size: int, branch: int = 4, q_support: int = 32,
+                 slim: SlimHead | None = None, guard: SlimGuard | None = None):
         self.model = model
+        self.slim = slim  # None = the full head always
+        self.guard = guard if slim is not None else None  # None = the slim head always (when set)
         self.max_positions = model.config.max_positions
         self.vocab_size = vocab_size  # the target's; draft logits beyond it are masked
         self.branch = branch
@@ -65,6 +75,13 @@ class ModelProposer(Proposer):
 
     def cache_bytes(self) -> int:
         return sum(st.cache.nbytes() for st in self._states.values())
+
+    def slim_state(self) -> dict | None:
+        """SlimSpec's state (mode, calibrated and rolling rates, fallbacks); None without SlimSpec."""
+        if self.slim is None:
+            return None
+        state = self.guard.state() if self.guard is not None else {"mode": "slim", "fallbacks": 0}
+        return {**state, "kept": int(self.slim.kept.numel())}
 
     def _sync(self, item: ProposeItem) -> tuple[_State, list[int]]:
         """Bring the request's cache up to its committed tokens; returns the pending tokens."""
@@ -81,6 +98,8 @@ class ModelProposer(Proposer):
             st.cache.truncate(common)
             n = common
         path: list[int] = []
+        if st.tree is not None and self.guard is not None:
+            self.guard.observe(len(st.tree), _accepted_length(st.tree, item.tokens[n:]), st.tree_slim)
         if st.tree is not None:  # walk the new committed tokens down the previous tree
             kids = st.tree.children()
             node = -1
@@ -99,17 +118,21 @@ class ModelProposer(Proposer):
             st.cache.truncate(len(st.cached))
         return st, item.tokens[len(st.cached) :]
 
-    def _distributions(self, works: list[_Work], logits: list[torch.Tensor]) -> list[tuple]:
-        """Per work: (sorted q values [rows, K], their ids [rows, K]) for the frontier rows."""
+    def _distributions(self, works: list[_Work], logits: list[torch.Tensor],
+                       kept: torch.Tensor | None) -> list[tuple]:
+        """Per work: (sorted q values [rows, K], their target ids [rows, K]) for the frontier rows.
+        kept: the slim head's ids (logits column j = target id kept[j]); None = the full head."""
         out = []
         for w, lg in zip(works, logits):
-            lg = lg[:, : self.vocab_size]
+            lg = lg[:, : self.vocab_size] if kept is None else lg  # [rows, vocab or kept]
             p = w.item.params
             probs = lg.float().softmax(-1) if p.greedy else warp_probs(lg, p.temperature, p.top_k, p.top_p)
             k = min(self.q_support if not p.greedy else self.branch, probs.shape[-1])
             vals, ids = torch.topk(probs, k, dim=-1)  # [rows, K], sorted descending
             if not p.greedy:
                 vals = vals / vals.sum(-1, keepdim=True)  # q: the truncated, renormalized draft
+            if kept is not None:
+                ids = kept[ids]  # slim columns -> target ids
             out.append((vals, ids))
         return out
 
@@ -150,24 +173,27 @@ class ModelProposer(Proposer):
 
     def propose(self, items: list[ProposeItem]) -> list[DraftTree]:
         trees = [DraftTree() for _ in items]
+        use_slim = self.slim is not None and (self.guard is None or self.guard.use_slim())
+        model = self.slim.model if use_slim else self.model  # same layers and caches; head differs
+        kept = self.slim.kept if use_slim else None
         works, chunks = [], []
         for i, it in enumerate(items):
             if it.draft_length <= 0 or it.tree_size <= 0:
                 continue
             st, pending = self._sync(it)
-            st.tree = trees[i]
+            st.tree, st.tree_slim = trees[i], use_slim
             works.append(_Work(it, st, trees[i], max(1, math.ceil(it.tree_size / it.draft_length)),
                                [(-1, 1.0)]))
             chunks.append(Chunk(st.cache, pending, list(range(-1, len(pending) - 1)),
                                 logits_from=len(pending) - 1))
         if not works:
             return trees
-        logits = self.model.forward(chunks)  # level 0: the root's distribution, [1, vocab] each
+        logits = model.forward(chunks)  # level 0: the root's distribution, [1, vocab or kept] each
         for w in works:
             w.state.cached = w.item.tokens[:]
         depth = 1
         while works:
-            dists = self._distributions(works, logits)
+            dists = self._distributions(works, logits, kept)
             grown = [(w, self._grow(w, *d)) for w, d in zip(works, dists)]
             depth += 1
             works, chunks = [], []
@@ -180,5 +206,17 @@ class ModelProposer(Proposer):
                     st.fed += len(new)
                     works.append(w)
             if works:
-                logits = self.model.forward(chunks)  # [len(new), vocab] each
+                logits = model.forward(chunks)  # [len(new), vocab or kept] each
         return trees
+
+
+def _accepted_length(tree: DraftTree, committed: list[int]) -> int:
+    """How many nodes of `tree` the newly committed tokens walk down (its accepted path)."""
+    kids = tree.children()
+    node, n = -1, 0
+    for tok in committed:
+        node = next((c for c in kids[node + 1] if tree.tokens[c] == tok), None)
+        if node is None:
+            break
+        n += 1
+    return n

@@ -16,6 +16,8 @@ from services.common.loading import load_model
 from services.common.sampling import SamplingParams, warp_probs
 from services.draft.model_proposer import ModelProposer
 from services.draft.ngram import NgramProposer
+from services.draft.slim import SlimHead
+from services.draft.slim_guard import GuardConfig, SlimGuard
 from services.scheduler.engine import Engine, EngineConfig
 from tests import tiny
 
@@ -49,11 +51,26 @@ def exact_distribution(hf, params: SamplingParams) -> np.ndarray:
     return joint
 
 
+SLIM_KEPT = torch.tensor([2, 3, 4, 5])  # SlimSpec at ratio 0.5: q = 0 on ids 0, 1, 6, 7
+
+
+def make_proposer(models, kind):
+    if kind == "none":
+        return None
+    if kind == "ngram":
+        return NgramProposer(max_ngram=2)
+    draft = models["close" if kind.startswith("close") else "random"].model
+    if kind == "close-slim":  # the slim head always
+        return ModelProposer(draft, V, slim=SlimHead.build(draft, SLIM_KEPT))
+    if kind == "close-slim-guard":  # a guard that keeps switching between the slim and full heads
+        guard = SlimGuard(GuardConfig(points=0.0, calibration_tokens=4, window_tokens=8, min_tokens=4))
+        return ModelProposer(draft, V, slim=SlimHead.build(draft, SLIM_KEPT), guard=guard)
+    return ModelProposer(draft, V)
+
+
 def run_engine(models, proposer_kind, k, tree_size, params) -> np.ndarray:
     target = models["target"]
-    proposer = {"none": None, "ngram": NgramProposer(max_ngram=2),
-                "close": ModelProposer(models["close"].model, V),
-                "random": ModelProposer(models["random"].model, V)}[proposer_kind]
+    proposer = make_proposer(models, proposer_kind)
     engine = Engine(target, proposer, EngineConfig(draft_length=k, tree_size=tree_size, max_batch=1000))
     reqs = [engine.add_request(PROMPT, SamplingParams(**{**params.__dict__, "seed": s}))
             for s in range(SAMPLES)]
@@ -86,6 +103,10 @@ CASES = [
     ("random", 3, 6, SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)),  # bad draft
     ("random", 2, None, SamplingParams(max_tokens=3, temperature=1.2, top_p=0.7, ignore_eos=True)),
     ("ngram", 2, 4, SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)),  # point-mass q
+    # SlimSpec: q is zero outside the kept ids, the output distribution is still the target's
+    ("close-slim", 2, 5, SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)),
+    ("close-slim-guard", 2, None, SamplingParams(max_tokens=3, temperature=0.8, top_k=5, top_p=0.9,
+                                                 ignore_eos=True)),
 ]
 
 
@@ -96,6 +117,31 @@ def test_first_three_tokens_match_the_exact_distribution(models, kind, k, tree_s
     drafted = sum(r.stats.drafted for r in reqs)
     accepted = sum(r.stats.accepted for r in reqs)
     assert drafted > 0 and 0 < accepted < drafted  # both accept and reject paths were exercised
+
+
+def test_slim_proposals_stay_in_the_kept_ids(models):
+    """With the slim head, every drafted token and every id of its q is a kept id."""
+    proposer = make_proposer(models, "close-slim")
+    engine = Engine(models["target"], proposer, EngineConfig(draft_length=3, tree_size=6))
+    seen = []
+    original = proposer.propose
+    proposer.propose = lambda items: [seen.append(t) or t for t in original(items)]
+    engine.generate([PROMPT] * 4, SamplingParams(max_tokens=12, temperature=1.0, seed=3, ignore_eos=True))
+    kept = set(SLIM_KEPT.tolist())
+    nodes = [(tok, ids) for t in seen for tok, ids in zip(t.tokens, t.q_ids)]
+    assert nodes and all(tok in kept and set(ids) <= kept for tok, ids in nodes)
+
+
+def test_the_guard_exercised_both_heads(models):
+    params = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)
+    proposer = make_proposer(models, "close-slim-guard")
+    engine = Engine(models["target"], proposer, EngineConfig(draft_length=2, max_batch=50))
+    for s in range(400):
+        engine.add_request(PROMPT, SamplingParams(**{**params.__dict__, "seed": s}))
+    while engine.has_work():
+        engine.step()
+    state = proposer.slim_state()
+    assert state["full_rate"] is not None and state["slim_rate"] is not None
 
 
 def test_same_seed_same_tokens(models):

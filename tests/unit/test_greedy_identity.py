@@ -7,6 +7,8 @@ from services.common.loading import load_model
 from services.common.sampling import SamplingParams
 from services.draft.model_proposer import ModelProposer
 from services.draft.ngram import NgramProposer
+from services.draft.slim import SlimHead, kept_ids
+from services.draft.slim_guard import GuardConfig, SlimGuard
 from services.scheduler.engine import Engine, EngineConfig
 from tests import tiny
 
@@ -39,7 +41,19 @@ def assert_same_or_near_tie(hf, prompt, ours, ref):
     assert gap < 1e-3, f"diverged at output token {i} with a top-2 gap of {gap}: {ours} vs {ref}"
 
 
-def make_proposer(kind, target, draft):
+def slim_head(target, draft, hf, prompts, ratio=0.3):
+    """SlimSpec on the tiny draft: keeps the ids the target generates most on the prompts."""
+    outputs = [t for p in prompts for t in tiny.hf_greedy(hf, p, MAX_NEW)]
+    counts = torch.bincount(torch.tensor(outputs), minlength=target.config.vocab_size).numpy()
+    return SlimHead.build(draft.model, kept_ids(counts, ratio, target.config.vocab_size))
+
+
+def make_proposer(kind, target, draft, slim=None):
+    if kind == "slim":  # the slim head always
+        return ModelProposer(draft.model, target.config.vocab_size, slim=slim)
+    if kind == "slim-guard":  # a guard that switches between the slim and full heads within the run
+        guard = SlimGuard(GuardConfig(points=0.0, calibration_tokens=4, window_tokens=8, min_tokens=4))
+        return ModelProposer(draft.model, target.config.vocab_size, slim=slim, guard=guard)
     if kind == "none":
         return None
     if kind == "ngram":
@@ -50,19 +64,21 @@ def make_proposer(kind, target, draft):
 
 
 CASES = [("none", 0, None), ("ngram", 4, None), ("ngram", 3, 8), ("self", 5, None), ("self", 3, 7),
-         ("model", 1, None), ("model", 4, None), ("model", 2, 6), ("model", 4, 12), ("model", 6, 24)]
+         ("model", 1, None), ("model", 4, None), ("model", 2, 6), ("model", 4, 12), ("model", 6, 24),
+         ("slim", 4, None), ("slim", 3, 9), ("slim-guard", 4, None), ("slim-guard", 2, 6)]
 
 
 @pytest.mark.parametrize("kind,k,tree_size", CASES)
 def test_engine_equals_hf_greedy(models, prompts, kind, k, tree_size):
     target, draft, hf = models
-    engine = Engine(target, make_proposer(kind, target, draft),
+    slim = slim_head(target, draft, hf, prompts) if kind.startswith("slim") else None
+    engine = Engine(target, make_proposer(kind, target, draft, slim),
                     EngineConfig(draft_length=k, tree_size=tree_size, max_batch=3))
     reqs = engine.generate(prompts, SamplingParams(max_tokens=MAX_NEW))  # 4 prompts, batches of 3
     for prompt, req in zip(prompts, reqs):
         ref = tiny.hf_greedy(hf, prompt, MAX_NEW)
         assert_same_or_near_tie(hf, prompt, req.output_ids, ref)
-    if kind in ("self", "model"):
+    if kind in ("self", "model", "slim", "slim-guard"):
         steps = sum(r.stats.steps for r in reqs)
         assert steps < sum(len(r.output_ids) for r in reqs), "speculation never accepted anything"
     assert not engine.verifier.active_requests()

@@ -1,0 +1,158 @@
+"""Training prompts for the draft: varied tasks written here (never Spec-Bench, the test set).
+
+Prompts are built from task templates and topics with a seeded random generator, so the same
+seed gives the same prompts. The target answers them; the draft learns the target's answers.
+"""
+
+from __future__ import annotations
+
+import random
+
+TOPICS = [
+    "the water cycle", "black holes", "the French Revolution", "photosynthesis", "machine learning",
+    "climate change", "the Roman Empire", "volcanoes", "the human heart", "electric cars",
+    "coffee", "the Internet", "honey bees", "the Moon landing", "renewable energy", "chess",
+    "the immune system", "ancient Egypt", "jazz music", "the stock market", "rainforests",
+    "vaccines", "the printing press", "earthquakes", "dinosaurs", "quantum computing",
+    "the Great Wall of China", "recycling", "sleep", "social media", "the Olympic Games",
+    "plate tectonics", "the Renaissance", "antibiotics", "bread baking", "mountain climbing",
+    "the solar system", "democracy", "whales", "time management", "public libraries",
+    "the Silk Road", "glaciers", "nuclear power", "gardening", "the piano", "friendship",
+    "electricity", "smartphones", "the ocean tides", "birds migrating", "inflation",
+    "space telescopes", "meditation", "the Industrial Revolution", "bicycles", "tea ceremonies",
+    "DNA", "wind turbines", "city parks", "robots", "deserts", "the history of writing",
+    "learning a new language", "remote work", "healthy breakfasts", "saving money",
+    "video games", "volunteering", "the metric system", "airplanes", "lighthouses", "fungi",
+]
+
+NAMES = ["Alice", "Ben", "Chen", "Dana", "Emeka", "Fatima", "Gus", "Hana", "Ivan", "Julia",
+         "Kofi", "Lena", "Marco", "Nadia", "Omar", "Priya", "Quinn", "Rosa", "Sam", "Tariq"]
+
+PLACES = ["a small fishing village", "a space station", "a busy train station", "an old library",
+          "a mountain cabin", "a desert oasis", "a floating city", "a school science fair",
+          "a night market", "a lighthouse during a storm", "a bakery at dawn", "a museum at night"]
+
+LANGUAGES = ["French", "Spanish", "German", "Italian", "Portuguese"]
+
+SENTENCES = [
+    "The weather is beautiful today and we are going to the beach.",
+    "Could you tell me where the nearest train station is?",
+    "I have been learning to cook for three months.",
+    "The meeting has been moved to Thursday afternoon.",
+    "My brother loves reading books about history.",
+    "Please remember to close the window before you leave.",
+    "We planted tomatoes and beans in the garden this spring.",
+    "The concert was cancelled because of the heavy rain.",
+]
+
+CODE_TASKS = [
+    "reverses a string", "checks whether a number is prime", "returns the n-th Fibonacci number",
+    "counts the vowels in a sentence", "merges two sorted lists", "finds the largest element of a list",
+    "removes duplicates from a list while keeping the order", "computes the factorial of n",
+    "checks whether a word is a palindrome", "converts Celsius to Fahrenheit",
+    "flattens a nested list", "counts word frequencies in a text", "performs binary search",
+    "validates an email address with a simple rule", "sums the digits of an integer",
+    "transposes a matrix", "returns the greatest common divisor of two numbers",
+    "sorts a list of dictionaries by a key", "reads a CSV file and prints each row",
+    "implements a simple stack class",
+]
+
+CODE_LANGS = ["Python", "Python", "Python", "JavaScript", "C", "Java", "Go", "Rust", "SQL", "bash"]
+
+TEMPLATES = [
+    "Explain {topic} to a ten-year-old.",
+    "Write a short essay about {topic}.",
+    "What are the main advantages and disadvantages of {topic}?",
+    "Give me five interesting facts about {topic}.",
+    "Summarize the history of {topic} in a few paragraphs.",
+    "Write a poem about {topic}.",
+    "Write a short story set in {place} where {name} discovers something about {topic}.",
+    "Compare {topic} and {topic2}. How are they similar and how are they different?",
+    "Write a blog post introduction about {topic}.",
+    "What are common misconceptions about {topic}?",
+    "Create a study guide with key points about {topic}.",
+    "Write an email from {name} to a colleague proposing a workshop on {topic}.",
+    "Describe a day in the life of someone who works with {topic}.",
+    "List the steps someone should take to learn about {topic}.",
+    "Write a dialogue between {name} and {name2} arguing about {topic}.",
+    "You are a tour guide in {place}. Welcome the visitors and tell them about {topic}.",
+    "Pretend you are {name}, a scientist who studies {topic}. Introduce yourself and your work.",
+    "Write a product description for a board game about {topic}.",
+    "Answer briefly: why does {topic} matter today?",
+    "Write three quiz questions about {topic}, with answers.",
+    "Summarize the following text in two sentences: {paragraph}",
+    "Rewrite this paragraph in a more formal tone: {paragraph}",
+    "Extract the key points from this text as a bulleted list: {paragraph}",
+    "Translate into {language}: {sentence}",
+    "Translate the following sentence into {language} and explain any difficult words: {sentence}",
+    "Correct the grammar of this sentence: {broken}",
+    "Write a {code_lang} function that {code_task}.",
+    "Write a {code_lang} function that {code_task}, and explain how it works.",
+    "What is wrong with this code, and how would you fix it?\n```python\n{buggy}\n```",
+    "Explain what this code does:\n```python\n{snippet}\n```",
+    "{name} has {a} apples and buys {b} more. She gives {c} to {name2}. How many apples does she have now? Explain step by step.",
+    "A train travels {a} kilometers in {b} hours. What is its average speed? Show your reasoning.",
+    "What is {a} multiplied by {b}, plus {c}? Think step by step.",
+    "A shop sells pens for {c} dollars each. How much do {a} pens cost, and how much change is left from {d} dollars?",
+    "Solve for x: {a}x + {b} = {d}. Explain each step.",
+    "If a rectangle is {a} meters long and {b} meters wide, what are its area and perimeter?",
+    "{name} is older than {name2}, and {name2} is older than {name3}. Who is the youngest? Explain.",
+    "Give me a plan for a weekend trip to {place}.",
+    "What would happen if {topic} disappeared tomorrow? Reason about it.",
+    "Write a limerick about {name} and {topic}.",
+    "Give advice to a student who wants to write a report on {topic}.",
+    "Write a recipe that a child could follow, inspired by {topic}.",
+    "Describe {place} in vivid detail.",
+    "Tell me a joke about {topic}, then explain why it is funny.",
+]
+
+BUGGY = [
+    "def average(xs):\n    return sum(xs) / len(xs) + 1",
+    "def last(xs):\n    return xs[len(xs)]",
+    "for i in range(10)\n    print(i)",
+    "def is_even(n):\n    return n % 2 == 1",
+    "def greet(name):\n    print('Hello, ' + name",
+]
+
+SNIPPETS = [
+    "squares = [x * x for x in range(10) if x % 2 == 0]",
+    "def f(d):\n    return {v: k for k, v in d.items()}",
+    "import collections\ncounts = collections.Counter(text.split())\nprint(counts.most_common(3))",
+    "with open('data.txt') as fh:\n    lines = [line.strip() for line in fh if line.strip()]",
+    "def memo(fn):\n    cache = {}\n    def inner(n):\n        if n not in cache:\n            cache[n] = fn(n)\n        return cache[n]\n    return inner",
+]
+
+
+def _paragraph(rng: random.Random) -> str:
+    t1, t2 = rng.sample(TOPICS, 2)
+    name = rng.choice(NAMES)
+    return (f"{name} spent the summer reading about {t1}. At first the subject seemed difficult, but "
+            f"after a few weeks {name} noticed connections with {t2}. By the end of the season, "
+            f"{name} had written a long report and presented it to the local community, which "
+            f"asked many questions about both subjects.")
+
+
+def _broken(rng: random.Random) -> str:
+    return rng.choice(["me and him goes to the store yesterday", "she don't like apples no more",
+                       "their going to there house tomorow", "the childs was playing in the park",
+                       "I has three cat and one dogs"])
+
+
+def make_prompts(n: int, seed: int = 0) -> list[str]:
+    """n distinct prompts from the templates (deterministic for a seed)."""
+    rng = random.Random(seed)
+    out, seen = [], set()
+    while len(out) < n:
+        names = rng.sample(NAMES, 3)
+        t1, t2 = rng.sample(TOPICS, 2)
+        a, b, c = rng.randint(2, 60), rng.randint(2, 40), rng.randint(1, 20)
+        prompt = rng.choice(TEMPLATES).format(
+            topic=t1, topic2=t2, name=names[0], name2=names[1], name3=names[2],
+            place=rng.choice(PLACES), language=rng.choice(LANGUAGES), sentence=rng.choice(SENTENCES),
+            paragraph=_paragraph(rng), broken=_broken(rng), code_lang=rng.choice(CODE_LANGS),
+            code_task=rng.choice(CODE_TASKS), buggy=rng.choice(BUGGY), snippet=rng.choice(SNIPPETS),
+            a=a, b=b, c=c, d=a * b + c + rng.randint(0, 50))
+        if prompt not in seen:
+            seen.add(prompt)
+            out.append(prompt)
+    return out
