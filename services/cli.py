@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 
+from services.bench.command import add_bench_parser, cmd_bench
 from services.common.settings import ROLES, add_role_options
 from services.draft.factory import DRAFT_CHOICES
 
@@ -36,6 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(g)
     g.add_argument("--draft", default=_env("DRAFT", "ngram"),
                    help=f"{DRAFT_CHOICES} [SPECSERVE_DRAFT, default: ngram]")
+    g.add_argument("--compression-ratio", type=float, default=float(_env("COMPRESSION_RATIO", "0.2")),
+                   help="SlimSpec: fraction of the vocabulary a model draft's LM head keeps, 0.1 to 0.5 "
+                        "(1.0 = full head) [SPECSERVE_COMPRESSION_RATIO, default: 0.2]")
+    g.add_argument("--slim-guard-points", type=float, default=float(_env("SLIM_GUARD_POINTS", "5")),
+                   help="SlimSpec guard: fall back to the full head when acceptance drops more than this "
+                        "many points below it [SPECSERVE_SLIM_GUARD_POINTS, default: 5]")
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="one prompt")
     src.add_argument("--prompts", help='a JSONL file with lines {"prompt": "..."}')
@@ -46,8 +53,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--draft-length", type=int, default=int(_env("DRAFT_LENGTH", "4")),
-                   help="k, the maximum draft depth per step [SPECSERVE_DRAFT_LENGTH, default: 4]")
+    g.add_argument("--draft-length", type=draft_length_arg, default=_env("DRAFT_LENGTH", "adaptive"),
+                   help="k, the draft depth per step, or adaptive: chosen per request and step from "
+                        "measured acceptance and latency [SPECSERVE_DRAFT_LENGTH, default: adaptive]")
+    g.add_argument("--min-draft-length", type=int, default=int(_env("MIN_DRAFT_LENGTH", "0")),
+                   help="smallest k adaptive may choose (0 = may not draft) [SPECSERVE_MIN_DRAFT_LENGTH, default: 0]")
+    g.add_argument("--max-draft-length", type=int, default=int(_env("MAX_DRAFT_LENGTH", "4")),
+                   help="largest k adaptive may choose [SPECSERVE_MAX_DRAFT_LENGTH, default: 4]")
+    g.add_argument("--adjust-interval-ms", type=float, default=float(_env("ADJUST_INTERVAL_MS", "0")),
+                   help="adaptive re-plans at most this often (0 = every step) "
+                        "[SPECSERVE_ADJUST_INTERVAL_MS, default: 0]")
     g.add_argument("--tree-size", type=int, default=None,
                    help="draft nodes per step; equal to --draft-length = a chain "
                         "[SPECSERVE_TREE_SIZE, default: the draft length]")
@@ -62,7 +77,22 @@ def build_parser() -> argparse.ArgumentParser:
     roles = s.add_subparsers(dest="role", required=True)
     for role in ROLES:
         add_role_options(roles.add_parser(role, help=f"the {role} service"), role)
+
+    add_bench_parser(sub, _add_model_args)
     return parser
+
+
+def draft_length_arg(value: str) -> int | str:
+    """--draft-length: a non-negative integer or 'adaptive'."""
+    if value == "adaptive":
+        return value
+    try:
+        k = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'adaptive', got {value!r}") from None
+    if k < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {k}")
+    return k
 
 
 def _read_prompts(args) -> list[str]:
@@ -100,11 +130,14 @@ def cmd_generate(args) -> int:
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             stop=tuple(args.stop), ignore_eos=args.ignore_eos)
     params.validate()
-    config = EngineConfig(draft_length=args.draft_length, tree_size=tree_size, max_batch=args.max_batch)
+    config = EngineConfig(draft_length=args.draft_length, tree_size=tree_size, max_batch=args.max_batch,
+                          min_draft_length=args.min_draft_length, max_draft_length=args.max_draft_length,
+                          adjust_interval_ms=args.adjust_interval_ms)
     config.validate()
     prompts = _read_prompts(args)
     target = load_model(args.target, device=args.device, dtype=args.dtype)
-    proposer = build_proposer(args.draft, target, device=args.device, dtype=args.dtype)
+    proposer = build_proposer(args.draft, target, device=args.device, dtype=args.dtype,
+                              compression_ratio=args.compression_ratio, guard_points=args.slim_guard_points)
     engine = Engine(target, proposer, config)
     encoded = [encode_prompt(target.tokenizer, p, args.chat) for p in prompts]
     for req in engine.generate(encoded, params):
@@ -143,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=os.environ.get("SPECSERVE_LOG_LEVEL", "WARNING"),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        if args.command == "bench":
+            return cmd_bench(args, argv)
         return {"generate": cmd_generate, "prepare": cmd_prepare, "serve": cmd_serve}[args.command](args)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"specserve: error: {e}", file=sys.stderr)

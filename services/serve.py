@@ -6,7 +6,9 @@ import asyncio
 import logging
 
 from services.common.grpc_server import GrpcServer
+from services.common.metrics import Registry, SchedulerMetrics, WorkerMetrics, cuda_memory
 from services.common.settings import split_addrs
+from services.common.tracing import setup_tracing
 from specserve.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -19,6 +21,13 @@ def _worker_info(role: str, loaded, device: str, proposer: str = "") -> common_p
                                    device=device)
 
 
+def _worker_metrics(role: str, args) -> WorkerMetrics:
+    """A worker's metrics, served on --metrics-port (0 = off)."""
+    metrics = WorkerMetrics(Registry(role), cuda_memory(args.device))
+    metrics.registry.serve(args.host, int(args.metrics_port))
+    return metrics
+
+
 async def serve_draft(args) -> None:
     from services.common.loading import load_model
     from services.draft.factory import build_proposer
@@ -28,10 +37,13 @@ async def serve_draft(args) -> None:
     # The target's weights are needed only when it drafts for itself; otherwise its tokenizer and
     # configuration suffice (vocabulary check, context length).
     target = load_model(args.target, device=args.device, dtype=args.dtype, weights=args.draft == "self")
-    proposer = build_proposer(args.draft, target, device=args.device, dtype=args.dtype)
+    proposer = build_proposer(args.draft, target, device=args.device, dtype=args.dtype,
+                              compression_ratio=float(args.compression_ratio),
+                              guard_points=float(args.slim_guard_points))
     if proposer is None:
         raise ValueError("a draft service needs a proposer: --draft ngram, self or a checkpoint path")
-    servicer = DraftServicer(proposer, _worker_info("draft", target, args.device, proposer.name))
+    servicer = DraftServicer(proposer, _worker_info("draft", target, args.device, proposer.name),
+                             _worker_metrics("draft", args))
     server = GrpcServer(args.host, int(args.port), [draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name])
     draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server.server)
     await server.run(float(args.grace_period))
@@ -44,7 +56,8 @@ async def serve_verifier(args) -> None:
     from specserve.v1 import verifier_pb2, verifier_pb2_grpc
 
     target = load_model(args.target, device=args.device, dtype=args.dtype)
-    servicer = VerifierServicer(Verifier(target.model), _worker_info("verifier", target, args.device))
+    servicer = VerifierServicer(Verifier(target.model), _worker_info("verifier", target, args.device),
+                                _worker_metrics("verifier", args))
     server = GrpcServer(args.host, int(args.port),
                         [verifier_pb2.DESCRIPTOR.services_by_name["VerifierService"].full_name])
     verifier_pb2_grpc.add_VerifierServiceServicer_to_server(servicer, server.server)
@@ -55,6 +68,7 @@ async def serve_scheduler(args) -> None:
     from transformers import AutoTokenizer
 
     from services.common.loading import resolve_checkpoint
+    from services.scheduler.controller import ControllerConfig
     from services.scheduler.loop import SchedulerLoop
     from services.scheduler.servicer import SchedulerServicer
     from services.scheduler.telemetry import Telemetry
@@ -71,9 +85,19 @@ async def serve_scheduler(args) -> None:
     pair = f"{args.target}|{await _draft_name(drafts)}"
     telemetry = Telemetry(args.redis_url, pair)
     tree_size = int(args.tree_size) if args.tree_size else None
+    metrics = SchedulerMetrics(Registry("scheduler"))
+    controller = ControllerConfig(min_draft_length=int(args.min_draft_length),
+                                  max_draft_length=int(args.max_draft_length),
+                                  adjust_interval_ms=float(args.adjust_interval_ms),
+                                  rejection_alert=float(args.rejection_alert))
     loop = SchedulerLoop(tokenizer, tuple(sorted(eos)), info.max_positions, drafts, verifiers, telemetry,
                          draft_length=args.draft_length, max_draft_length=int(args.max_draft_length),
-                         tree_size=tree_size, max_batch=int(args.max_batch))
+                         tree_size=tree_size, max_batch=int(args.max_batch), controller=controller,
+                         metrics=metrics)
+    metrics.watch_queue(lambda: len(loop.waiting), lambda: len(loop.running))
+    metrics.registry.serve(args.host, int(args.metrics_port))
+    if loop.controller is not None:
+        await _warm_up(loop, info.vocab_size)
     sched_info = common_pb2.InfoResponse(model=info.model, vocab_size=info.vocab_size,
                                          max_positions=info.max_positions, eos_token_ids=sorted(eos),
                                          role="scheduler")
@@ -88,6 +112,20 @@ async def serve_scheduler(args) -> None:
         await telemetry.close()
         await drafts.close()
         await verifiers.close()
+
+
+async def _warm_up(loop, vocab_size: int) -> None:
+    """Seed the controller's latency model from a few measured steps on the first replicas."""
+    from services.scheduler.calibration import calibrate_remote
+
+    cfg = loop.controller.config
+    verifier = loop.verifiers.replicas[0]
+    draft = loop.drafts.replicas[0] if loop.drafts.replicas else None
+    try:
+        await calibrate_remote(loop.controller.latency, verifier.step, draft.step if draft else None, vocab_size,
+                               cfg.max_draft_length, cfg.tree_width)
+    except Exception as e:  # a replica not up yet: the model learns from the first real steps instead
+        log.warning("warm-up measurement failed (%s); starting from default latency estimates", e)
 
 
 async def _wait_for_info(replicas, timeout_s: float = 600.0) -> common_pb2.InfoResponse:
@@ -129,4 +167,9 @@ def serve(role: str, args) -> None:
         import torch
 
         torch.set_num_threads(1)
-    asyncio.run(ROLE_MAIN[role](args))
+    tracer_provider = setup_tracing(role)  # None unless OTEL_EXPORTER_OTLP_ENDPOINT is set
+    try:
+        asyncio.run(ROLE_MAIN[role](args))
+    finally:
+        if tracer_provider is not None:
+            tracer_provider.shutdown()  # flush the spans still queued

@@ -15,6 +15,8 @@ ROLES = ("draft", "verifier", "scheduler", "gateway")
 # Default listening ports per role (gRPC; the gateway also serves HTTP).
 DEFAULT_PORTS = {"gateway": 50050, "scheduler": 50051, "draft": 50052, "verifier": 50053}
 DEFAULT_HTTP_PORT = 8000
+# Prometheus /metrics port per role (the gateway serves /metrics on its HTTP port instead).
+DEFAULT_METRICS_PORTS = {"scheduler": 9101, "draft": 9102, "verifier": 9103}
 
 
 @dataclass(frozen=True)
@@ -24,6 +26,7 @@ class Option:
     default: str | None
     roles: tuple[str, ...]
     help: str
+    secret: bool = False  # never shown in --help (API keys, JWT secret)
 
 
 OPTIONS: tuple[Option, ...] = (
@@ -33,7 +36,14 @@ OPTIONS: tuple[Option, ...] = (
     Option("--http-port", "SPECSERVE_HTTP_PORT", str(DEFAULT_HTTP_PORT), ("gateway",), "HTTP port"),
     Option("--target", "SPECSERVE_TARGET", "default", ROLES,
            "target model: default, a .gguf file or a checkpoint directory"),
-    Option("--draft", "SPECSERVE_DRAFT", "ngram", ("draft",), "proposer: ngram, self or a draft checkpoint path"),
+    Option("--draft", "SPECSERVE_DRAFT", "ngram", ("draft",),
+           "proposer: ngram, default (the committed distilled draft of the default target), self or a "
+           "draft checkpoint path"),
+    Option("--compression-ratio", "SPECSERVE_COMPRESSION_RATIO", "0.2", ("draft",),
+           "SlimSpec: fraction of the vocabulary the draft's LM head keeps (0.1 to 0.5; 1.0 = full head)"),
+    Option("--slim-guard-points", "SPECSERVE_SLIM_GUARD_POINTS", "5", ("draft",),
+           "SlimSpec guard: switch to the full head when the slim head's rolling acceptance rate falls "
+           "more than this many percentage points below the full head's calibrated rate"),
     Option("--device", "SPECSERVE_DEVICE", "cpu", ("draft", "verifier"), "cpu, cuda or auto"),
     Option("--dtype", "SPECSERVE_DTYPE", "auto", ("draft", "verifier"), "auto, float32, bfloat16, float16"),
     Option("--draft-addrs", "SPECSERVE_DRAFT_ADDRS", "127.0.0.1:50052", ("scheduler",),
@@ -43,14 +53,45 @@ OPTIONS: tuple[Option, ...] = (
     Option("--scheduler-addrs", "SPECSERVE_SCHEDULER_ADDRS", "127.0.0.1:50051", ("gateway",),
            "comma-separated scheduler replicas (host:port)"),
     Option("--draft-length", "SPECSERVE_DRAFT_LENGTH", "adaptive", ("scheduler",),
-           "draft length k per step: an integer, or adaptive (chosen from Redis acceptance telemetry)"),
+           "draft length k per step: an integer, or adaptive (per request and step, from acceptance telemetry in Redis and a latency model)"),
+    Option("--min-draft-length", "SPECSERVE_MIN_DRAFT_LENGTH", "0", ("scheduler",),
+           "smallest k adaptive may choose (0 = it may decode plainly)"),
     Option("--max-draft-length", "SPECSERVE_MAX_DRAFT_LENGTH", "4", ("scheduler",),
-           "largest k the adaptive rule may choose"),
+           "largest k adaptive may choose"),
+    Option("--adjust-interval-ms", "SPECSERVE_ADJUST_INTERVAL_MS", "0", ("scheduler",),
+           "adaptive re-plans the draft lengths at most this often (0 = every step)"),
+    Option("--rejection-alert", "SPECSERVE_REJECTION_ALERT", "0.85", ("scheduler",),
+           "log a warning when more than this share of recent draft tokens is rejected"),
     Option("--tree-size", "SPECSERVE_TREE_SIZE", None, ("scheduler",), "draft nodes per step (default: k, a chain)"),
     Option("--max-batch", "SPECSERVE_MAX_BATCH", "16", ("scheduler",), "requests per step"),
     Option("--redis-url", "REDIS_URL", None, ("scheduler", "gateway"),
            "Redis for telemetry and rate limits; unset = none (make run starts a local one)"),
-    Option("--api-keys", "SPECSERVE_API_KEYS", None, ("gateway",), "comma-separated bearer API keys; unset = open"),
+    Option("--api-keys", "SPECSERVE_API_KEYS", None, ("gateway",), "comma-separated bearer API keys; unset = open",
+           secret=True),
+    Option("--jwt-secret", "SPECSERVE_JWT_SECRET", None, ("gateway",),
+           "accept HS256 JWT bearer tokens signed with this secret (at least 32 bytes)", secret=True),
+    Option("--jwt-public-key", "SPECSERVE_JWT_PUBLIC_KEY", None, ("gateway",),
+           "accept RS256 JWT bearer tokens signed for this RSA public key (PEM text or a file path)"),
+    Option("--jwt-audience", "SPECSERVE_JWT_AUDIENCE", None, ("gateway",),
+           "required JWT aud; unset = tokens naming an audience are refused"),
+    Option("--jwt-issuer", "SPECSERVE_JWT_ISSUER", None, ("gateway",), "required JWT iss; unset = not checked"),
+    Option("--jwt-leeway", "SPECSERVE_JWT_LEEWAY", "0", ("gateway",), "seconds of clock skew allowed on exp and nbf"),
+    Option("--ip-allowlist", "SPECSERVE_IP_ALLOWLIST", None, ("gateway",),
+           "comma-separated client networks (CIDRs) allowed to call; unset = any (403 otherwise)"),
+    Option("--auth-metrics", "SPECSERVE_AUTH_METRICS", "false", ("gateway",),
+           "true: /health and /metrics need credentials too"),
+    Option("--rate-limit", "SPECSERVE_RATE_LIMIT", None, ("gateway",),
+           "requests per key or token subject, e.g. 10/s, 600/m, 5/10s (Redis); unset = none"),
+    Option("--token-limit", "SPECSERVE_TOKEN_LIMIT", None, ("gateway",),
+           "prompt + max_tokens per key or token subject, e.g. 20000/m (Redis); unset = none"),
+    Option("--rate-limit-on-redis-error", "SPECSERVE_RATE_LIMIT_ON_REDIS_ERROR", "open", ("gateway",),
+           "open (admit unchecked) or closed (503) while Redis is unreachable"),
+    Option("--deny-patterns", "SPECSERVE_DENY_PATTERNS", None, ("gateway",),
+           "regular expressions refusing a prompt, one per line, or @FILE"),
+    Option("--max-request-bytes", "SPECSERVE_MAX_REQUEST_BYTES", "2097152", ("gateway",),
+           "largest HTTP body or gRPC request (413 beyond)"),
+    Option("--max-prompt-tokens", "SPECSERVE_MAX_PROMPT_TOKENS", None, ("gateway",),
+           "largest prompt in tokens; unset = the model's context"),
     Option("--served-model-name", "SPECSERVE_SERVED_MODEL_NAME", None, ("gateway",),
            "model id clients use; default: SmolLM2-135M-Instruct for default, else the target's basename"),
     Option("--default-max-tokens", "SPECSERVE_DEFAULT_MAX_TOKENS", "256", ("gateway",),
@@ -59,6 +100,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("--log-format", "SPECSERVE_LOG_FORMAT", "json", ROLES, "json (one object per line) or text"),
     Option("--grace-period", "SPECSERVE_GRACE_PERIOD", "30", ROLES,
            "seconds to finish in-flight work after SIGTERM"),
+    Option("--metrics-port", "SPECSERVE_METRICS_PORT", None, tuple(DEFAULT_METRICS_PORTS),
+           "Prometheus GET /metrics port; 0 = off (default per role: "
+           + ", ".join(f"{r} {p}" for r, p in DEFAULT_METRICS_PORTS.items()) + ")"),
 )
 
 
@@ -68,7 +112,10 @@ def add_role_options(parser: argparse.ArgumentParser, role: str) -> None:
             default = os.environ.get(opt.env, opt.default)
             if opt.flag == "--port" and default is None:
                 default = str(DEFAULT_PORTS[role])
-            parser.add_argument(opt.flag, default=default, help=f"{opt.help} [{opt.env}, default: {default}]")
+            if opt.flag == "--metrics-port" and default is None:
+                default = str(DEFAULT_METRICS_PORTS[role])
+            shown = ("(set)" if default else None) if opt.secret else default
+            parser.add_argument(opt.flag, default=default, help=f"{opt.help} [{opt.env}, default: {shown}]")
 
 
 def split_addrs(value: str | None) -> list[str]:

@@ -2,7 +2,8 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions (whole responses, or SSE streams with
 `stream: true`), GET /v1/models, GET /v1/models/{id}, POST /infer (the original API), GET /health
-(open even when API keys are set). Every error, FastAPI's own 404/405 included, is returned in
+(open unless --auth-metrics; AuthMiddleware checks credentials and the IP allowlist, and the
+Gateway's rate limits run once a request is validated). Every error, FastAPI's own 404/405 included, is returned in
 the OpenAI shape `{"error": {"message", "type", "param", "code"}}`.
 
 A client that disconnects cancels its scheduler call at once: while waiting for a whole response
@@ -19,14 +20,17 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from services.common.metrics import CONTENT_TYPE, GatewayMetrics, HttpMetricsMiddleware, Registry
+from services.common.tracing import fastapi_telemetry
 from services.gateway import openai_api
 from services.gateway.core import Gateway, event_error, incomplete_stream
 from services.gateway.errors import ApiError
+from services.gateway.http_auth import AuthMiddleware, principal_of
 from services.gateway.openai_api import SSE_DONE, SSE_HEADERS, SSE_MEDIA_TYPE, OpenAIFormatter, sse
 from services.gateway.scheduler_client import SchedulerStream
 
@@ -48,6 +52,11 @@ async def read_json(request: Request, limit: int) -> Any:
             raise ApiError(413, f"the request body is larger than {limit} bytes", code="body_too_large")
         chunks.append(chunk)
     raw = b"".join(chunks)
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"the request body is not valid UTF-8: byte 0x{raw[e.start]:02x} at offset "
+                       f"{e.start}", code="invalid_utf8") from None
     if not raw.strip():
         raise ApiError(400, "the request body is empty; expected a JSON object", code="invalid_json")
     try:
@@ -141,21 +150,28 @@ def _log_done(request_id: str, finish_reason: str, usage, started: float) -> Non
 
 
 def _error_response(e: ApiError) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+    headers = e.headers()
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
-def create_app(gateway: Gateway) -> FastAPI:
-    """The FastAPI app serving `gateway`."""
+def gateway_metrics(gateway: Gateway) -> GatewayMetrics:
+    """The gateway's metrics; auth and rate-limit refusals are read from the objects counting them."""
+    return GatewayMetrics(Registry("gateway"), auth_failures=lambda: gateway.auth.failures,
+                          rate_limit_rejections=lambda: gateway.limiter.rejections if gateway.limiter else {},
+                          rate_limit_unchecked=lambda: gateway.limiter.unchecked if gateway.limiter else 0)
+
+
+def create_app(gateway: Gateway, metrics: GatewayMetrics | None = None) -> FastAPI:
+    """The FastAPI app serving `gateway` (and GET /metrics from `metrics`)."""
     app = FastAPI(title="SpecServe", description="Lossless speculative decoding, OpenAI-compatible",
-                  docs_url=None, redoc_url=None)
+                  docs_url=None, redoc_url=None, telemetry=fastapi_telemetry())  # a span per request
     app.state.gateway = gateway
     limit = gateway.config.max_body_bytes
 
-    async def require_key(request: Request) -> None:
-        gateway.keys.check_authorization(request.headers.get("authorization"))
-
-    authed = [Depends(require_key)]
+    app.add_middleware(AuthMiddleware, auth=gateway.auth)  # every route but /health and /metrics
+    # Outside auth, so refusals are counted too (the last added runs first).
+    metrics = metrics or gateway_metrics(gateway)
+    app.add_middleware(HttpMetricsMiddleware, metrics=metrics, routes=app.router.routes)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError) -> JSONResponse:
@@ -187,7 +203,7 @@ def create_app(gateway: Gateway) -> FastAPI:
                        prefix: str) -> Response:
         req = parse(await read_json(request, limit))
         request_id = gateway.new_request_id(prefix)
-        scheduler_request = gateway.build(req, request_id)
+        scheduler_request = await gateway.prepare(req, request_id, principal_of(request))
         fmt = OpenAIFormatter(req.kind, request_id, gateway.model_name,
                               include_usage=req.include_usage, return_token_ids=req.return_token_ids)
         if not req.stream:
@@ -212,29 +228,29 @@ def create_app(gateway: Gateway) -> FastAPI:
             raise incomplete_stream() if first is None else event_error(first)
         return EventStreamResponse(sse_body(first, stream, fmt), stream)
 
-    @app.post("/v1/completions", dependencies=authed)
+    @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await generate(request, openai_api.parse_completion, "cmpl")
 
-    @app.post("/v1/chat/completions", dependencies=authed)
+    @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await generate(request, openai_api.parse_chat, "chatcmpl")
 
-    @app.get("/v1/models", dependencies=authed)
+    @app.get("/v1/models")
     async def models() -> dict:
         return openai_api.models_response(gateway.model_name, gateway.config.target,
                                           gateway.context_length, gateway.created)
 
-    @app.get("/v1/models/{model_id:path}", dependencies=authed)
+    @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict:
         gateway.check_model(model_id)
         return openai_api.model_card(gateway.model_name, gateway.config.target,
                                      gateway.context_length, gateway.created)
 
-    @app.post("/infer", dependencies=authed)
+    @app.post("/infer")
     async def infer(request: Request) -> Response:
         req = openai_api.parse_infer(await read_json(request, limit))
-        scheduler_request = gateway.build(req, gateway.new_request_id("infer"))
+        scheduler_request = await gateway.prepare(req, gateway.new_request_id("infer"), principal_of(request))
         started = time.perf_counter()
         done = await until_disconnect(request, gateway.collect(scheduler_request))
         if done is DISCONNECTED:
@@ -249,5 +265,9 @@ def create_app(gateway: Gateway) -> FastAPI:
             return JSONResponse({"status": "ok"})
         e = ApiError(503, "no scheduler answers its health check", code="scheduler_unavailable")
         return JSONResponse({"status": "unavailable", **e.body()}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        return Response(metrics.registry.exposition(), media_type=CONTENT_TYPE)
 
     return app

@@ -1,27 +1,30 @@
 """Gateway: what the HTTP app and the public gRPC servicer share.
 
-It holds the served model's name, the target's tokenizer, the scheduler client and the API
-keys, and turns a validated `ApiRequest` into a scheduler `GenerateRequest` (tokenizing, fitting
-max_tokens into the context) and a scheduler event stream into a `Completion`.
+It holds the served model's name, the target's tokenizer, the scheduler client, the
+`Authenticator` and the `RateLimiter`, and turns a validated `ApiRequest` into a scheduler
+`GenerateRequest` (text checks and deny patterns, tokenizing, the prompt-token limit, fitting
+max_tokens into the context, then the rate limits) and a scheduler event stream into a
+`Completion`.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.gateway.auth import ApiKeys
+from services.gateway.auth import ApiKeys, Authenticator, Principal
 from services.gateway.errors import ApiError
 from services.gateway.openai_api import ApiRequest
+from services.gateway.ratelimit import RateLimiter
 from services.gateway.scheduler_client import SchedulerClient, SchedulerStream
 from services.gateway.tokenization import PromptTokenizer
-from services.gateway.validation import fit_max_tokens
+from services.gateway.validation import DenyPatterns, check_text, fit_max_tokens
 from specserve.v1 import scheduler_pb2
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # what target "default" serves
-MAX_BODY_BYTES = 4 * 1024 * 1024
+MAX_BODY_BYTES = 2 * 1024 * 1024  # --max-request-bytes
 
 
 def served_model_name(target: str, override: str | None = None) -> str:
@@ -40,7 +43,29 @@ class GatewayConfig:
     model_name: str
     target: str
     default_max_tokens: int = 256
-    max_body_bytes: int = MAX_BODY_BYTES
+    max_body_bytes: int = MAX_BODY_BYTES  # request size limit (HTTP body, gRPC message): 413
+    max_prompt_tokens: int | None = None  # None = only the context limits the prompt
+    deny: DenyPatterns = field(default_factory=DenyPatterns)
+
+
+def input_limits(args) -> dict:
+    """GatewayConfig's input limits from the gateway options (--max-request-bytes,
+    --max-prompt-tokens, --deny-patterns)."""
+    def positive(name: str, flag: str) -> int | None:
+        value = getattr(args, name, None)
+        if value in (None, ""):
+            return None
+        try:
+            number = int(value)
+        except ValueError:
+            number = 0
+        if number < 1:
+            raise ValueError(f"{flag} must be a positive integer, got {value!r}")
+        return number
+
+    return {"max_body_bytes": positive("max_request_bytes", "--max-request-bytes") or MAX_BODY_BYTES,
+            "max_prompt_tokens": positive("max_prompt_tokens", "--max-prompt-tokens"),
+            "deny": DenyPatterns.from_setting(getattr(args, "deny_patterns", None))}
 
 
 @dataclass
@@ -65,11 +90,12 @@ def incomplete_stream() -> ApiError:
 
 class Gateway:
     def __init__(self, config: GatewayConfig, tokenizer: PromptTokenizer, scheduler: SchedulerClient,
-                 keys: ApiKeys | None = None):
+                 auth: Authenticator | ApiKeys | None = None, limiter: RateLimiter | None = None):
         self.config = config
         self.tokenizer = tokenizer
         self.scheduler = scheduler
-        self.keys = keys or ApiKeys()
+        self.auth = auth if isinstance(auth, Authenticator) else Authenticator(auth)
+        self.limiter = limiter if limiter is not None and limiter.enabled else None
         self.created = int(time.time())
 
     @property
@@ -91,17 +117,32 @@ class Gateway:
         return f"{prefix}-{uuid.uuid4().hex}"
 
     def prompt_ids(self, req: ApiRequest) -> list[int]:
-        """Token ids of the request's prompt (chat messages through the chat template)."""
+        """Token ids of the request's prompt (chat messages through the chat template), after
+        the text checks and deny patterns (on each message's content, or on the decoded ids)."""
+        deny = self.config.deny
         if req.messages is not None:
+            for n, m in enumerate(req.messages):
+                param = f"{req.prompt_param}[{n}].content"
+                deny.check(check_text(m["content"], param), param)
             return self.tokenizer.encode_chat(req.messages, req.prompt_param)
         if req.prompt_ids is not None:
-            return self.tokenizer.check_ids(req.prompt_ids, req.prompt_param)
-        return self.tokenizer.encode(req.prompt or "")
+            ids = self.tokenizer.check_ids(req.prompt_ids, req.prompt_param)
+            if deny.enabled:
+                deny.check(self.tokenizer.decode(ids), req.prompt_param)
+            return ids
+        text = check_text(req.prompt or "", req.prompt_param)
+        deny.check(text, req.prompt_param)
+        return self.tokenizer.encode(text)
 
     def build(self, req: ApiRequest, request_id: str) -> scheduler_pb2.GenerateRequest:
         """Tokenize and check a request against the context: the scheduler's GenerateRequest."""
         self.check_model(req.model)
         ids = self.prompt_ids(req)
+        limit = self.config.max_prompt_tokens
+        if limit is not None and len(ids) > limit:
+            raise ApiError(400, f"{req.prompt_param} has {len(ids)} tokens, more than this server's "
+                           f"limit of {limit} prompt tokens", param=req.prompt_param,
+                           code="prompt_too_long")
         s = req.sampling
         max_tokens = fit_max_tokens(s, len(ids), self.context_length, self.config.default_max_tokens,
                                     req.prompt_param)
@@ -111,6 +152,19 @@ class Gateway:
             out.draft_length = s.draft_length
         if s.tree_size is not None:
             out.tree_size = s.tree_size
+        return out
+
+    async def prepare(self, req: ApiRequest, request_id: str, principal: Principal | None
+                      ) -> scheduler_pb2.GenerateRequest:
+        """`build`, then charge the request to its principal's rate limits (429 when over). The
+        principal is also the request's class for the scheduler's shared acceptance priors."""
+        out = self.build(req, request_id)
+        if principal is not None and principal.kind != "anonymous":
+            out.request_class = principal.subject
+        if self.limiter is not None:
+            subject = principal.subject if principal is not None else "anonymous"
+            await self.limiter.admit(subject, len(out.prompt_ids) + out.params.max_tokens,
+                                     req.sampling.max_tokens_param)
         return out
 
     def stream(self, request: scheduler_pb2.GenerateRequest) -> SchedulerStream:

@@ -21,9 +21,10 @@ from services.common.grpc_server import GrpcServer
 from services.common.logs import setup_logging
 from services.common.settings import split_addrs
 from services.gateway.app import create_app
-from services.gateway.auth import ApiKeys
-from services.gateway.core import Gateway, GatewayConfig, served_model_name
+from services.gateway.auth import Authenticator
+from services.gateway.core import Gateway, GatewayConfig, input_limits, served_model_name
 from services.gateway.public_grpc import SERVICE_NAME, GenerationServicer, add_to_server
+from services.gateway.ratelimit import RateLimiter
 from services.gateway.scheduler_client import SchedulerClient
 from services.gateway.tokenization import PromptTokenizer
 
@@ -79,11 +80,11 @@ def build_gateway(args) -> Gateway:
     if not addrs:
         raise ValueError("--scheduler-addrs is empty: the gateway needs at least one scheduler")
     config = GatewayConfig(model_name=name, target=args.target,
-                           default_max_tokens=int(args.default_max_tokens))
+                           default_max_tokens=int(args.default_max_tokens), **input_limits(args))
     if config.default_max_tokens < 1:
         raise ValueError(f"--default-max-tokens must be >= 1, got {config.default_max_tokens}")
-    return Gateway(config, PromptTokenizer.load(args.target), SchedulerClient(addrs),
-                   ApiKeys.from_setting(args.api_keys))
+    auth, limiter = Authenticator.from_args(args), RateLimiter.from_args(args)  # config errors first
+    return Gateway(config, PromptTokenizer.load(args.target), SchedulerClient(addrs), auth, limiter)
 
 
 async def serve_gateway(args) -> None:
@@ -93,8 +94,8 @@ async def serve_gateway(args) -> None:
     setup_logging("gateway", args.log_level, args.log_format)
     grace = float(args.grace_period)
     gateway = build_gateway(args)
-    if getattr(args, "redis_url", None):
-        log.info("rate limiting is not implemented yet; REDIS_URL is not used by the gateway")
+    log.info("authentication: %s; rate limits: %s", gateway.auth.describe(),
+             gateway.limiter.describe() if gateway.limiter else "none")
 
     grpc_server = GrpcServer(args.host, int(args.port), [SERVICE_NAME])
     servicer = GenerationServicer(gateway)
@@ -130,5 +131,7 @@ async def serve_gateway(args) -> None:
     finally:
         context_task.cancel()
         await gateway.scheduler.close()
+        if gateway.limiter is not None:
+            await gateway.limiter.close()
     for task in (grpc_task, http_task):
         task.result()  # re-raise a failure of either server

@@ -15,18 +15,33 @@ from services.common.loading import LoadedModel
 from services.common.sampling import SamplingParams
 from services.common.tree import DraftTree
 from services.draft.proposer import ProposeItem, Proposer
+from services.scheduler.calibration import calibrate_local
+from services.scheduler.controller import ControllerConfig, DraftController
+from services.scheduler.policy import StepShape
 from services.scheduler.request import Request
+from services.scheduler.telemetry import StepRecord, Telemetry
 from services.verifier.verifier import Verifier, VerifyItem
 
 
 @dataclass
 class EngineConfig:
-    draft_length: int = 4  # k: maximum draft tree depth per step (0 = plain decoding)
+    # k, the draft tree depth per step (0 = plain decoding), or "adaptive": the controller picks
+    # each request's k in [min_draft_length, max_draft_length] every step.
+    draft_length: int | str = 4
     tree_size: int | None = None  # draft nodes per step; None = draft_length (a chain)
     max_batch: int = 16  # running requests per step
+    min_draft_length: int = 0
+    max_draft_length: int = 4
+    adjust_interval_ms: float = 0.0
+
+    @property
+    def adaptive(self) -> bool:
+        return self.draft_length == "adaptive"
 
     def validate(self) -> None:
-        if self.draft_length < 0:
+        if not self.adaptive and (isinstance(self.draft_length, bool) or not isinstance(self.draft_length, int)):
+            raise ValueError(f"draft_length must be an integer or 'adaptive', got {self.draft_length!r}")
+        if not self.adaptive and self.draft_length < 0:
             raise ValueError(f"draft_length must be >= 0, got {self.draft_length}")
         if self.tree_size is not None and not 0 <= self.tree_size <= 256:
             raise ValueError(f"tree_size must be in [0, 256], got {self.tree_size}")
@@ -58,6 +73,15 @@ class Engine:
         self.running: list[Request] = []
         self.last_timing = StepTiming()
         self._ids = itertools.count()
+        self.controller: DraftController | None = None
+        if self.config.adaptive and proposer is not None:
+            cfg = self.config
+            width = -(-cfg.tree_size // cfg.max_draft_length) if cfg.tree_size else 1
+            self.telemetry = Telemetry(None, "in-process")  # priors shared by this engine's requests
+            self.controller = DraftController(
+                ControllerConfig(cfg.min_draft_length, cfg.max_draft_length, width, cfg.adjust_interval_ms),
+                priors=lambda cls: self.telemetry.priors(cls, cfg.max_draft_length))
+            self._calibrated = False
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, req_id: str | None = None) -> Request:
         params.validate()
@@ -66,7 +90,7 @@ class Engine:
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
                              f"= {total} exceeds the context of {self.max_positions} tokens")
         cfg = self.config
-        k = cfg.draft_length if self.proposer is not None else 0
+        k = (cfg.max_draft_length if cfg.adaptive else cfg.draft_length) if self.proposer is not None else 0
         tree = k if cfg.tree_size is None else cfg.tree_size
         req = Request(req_id or f"req-{next(self._ids)}", prompt_ids, params, self.tokenizer,
                       self.eos_token_ids, draft_length=k, tree_size=tree)
@@ -90,8 +114,16 @@ class Engine:
         batch = self.running
         if not batch:
             return []
-        t0 = time.perf_counter()
         budgets = [self._draft_budget(r) for r in batch]
+        if self.controller is not None:
+            if not self._calibrated:  # warm-up: seed the latency model before the first plan
+                cw = self.controller.config
+                calibrate_local(self.controller.latency, self.verifier, self.proposer, self.target.config.vocab_size,
+                                cw.max_draft_length, cw.tree_width)
+                self._calibrated = True
+            chosen = self.controller.choose({r.req_id: k for r, (k, _) in zip(batch, budgets)})
+            budgets = [(chosen[r.req_id].k, min(chosen[r.req_id].tree_size, 256)) for r in batch]
+        t0 = time.perf_counter()
         if self.proposer is not None and any(k for k, _ in budgets):
             trees = self.proposer.propose([
                 ProposeItem(r.req_id, r.tokens, k, n, r.params, r.draft_generator)
@@ -105,6 +137,15 @@ class Engine:
         t2 = time.perf_counter()
         self.last_timing = StepTiming(t1 - t0, t2 - t1, len(batch))
         out = []
+        if self.controller is not None:
+            depths = [max(t.depths(), default=0) for t in trees]
+            shape = StepShape(len(batch), sum(1 for k, _ in budgets if k), sum(len(t) for t in trees), max(depths))
+            self.controller.observe(shape, (t1 - t0) * 1e3, (t2 - t1) * 1e3, {
+                r.req_id: (d, len(v.accepted_nodes), len(v.tokens)) for r, d, v in zip(batch, depths, verdicts)})
+            for tree, d, v in zip(trees, depths, verdicts):
+                if d:
+                    self.telemetry.record(StepRecord("default", d, len(v.accepted_nodes), len(tree),
+                                                     (t1 - t0) * 1e3, (t2 - t1) * 1e3))
         for req, tree, verdict in zip(batch, trees, verdicts):
             out.append((req, req.commit(verdict.tokens, len(tree), len(verdict.accepted_nodes))))
             if req.finished:
@@ -113,6 +154,8 @@ class Engine:
         return out
 
     def release(self, req: Request) -> None:
+        if self.controller is not None:
+            self.controller.remove(req.req_id)
         self.verifier.release(req.req_id)
         if self.proposer is not None:
             self.proposer.release(req.req_id)

@@ -15,10 +15,14 @@ import time
 from dataclasses import dataclass, field
 
 from services.common import codec
+from services.common.metrics import Registry, SchedulerMetrics
 from services.common.sampling import SamplingParams
+from services.common.tracing import RequestSpans
 from services.common.tree import DraftTree
 from services.scheduler.request import Request
-from services.scheduler.telemetry import StepRecord, Telemetry, choose_draft_length
+from services.scheduler.controller import ControllerConfig, DraftController
+from services.scheduler.policy import StepShape
+from services.scheduler.telemetry import StepRecord, Telemetry
 from services.scheduler.workers import Replica, ReplicaSet, WorkerDown
 from specserve.v1 import draft_pb2, scheduler_pb2, verifier_pb2
 
@@ -30,7 +34,8 @@ class Live:
     """A running request plus what its client has been sent."""
 
     req: Request
-    fixed_k: int | None
+    fixed_k: int | None  # None: the controller chooses
+    request_class: str = "default"
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     params_pb: object = None
     emitted_chars: int = 0
@@ -39,12 +44,18 @@ class Live:
 class SchedulerLoop:
     def __init__(self, tokenizer, eos_token_ids: tuple[int, ...], max_positions: int, drafts: ReplicaSet,
                  verifiers: ReplicaSet, telemetry: Telemetry, draft_length: str = "adaptive",
-                 max_draft_length: int = 4, tree_size: int | None = None, max_batch: int = 16):
+                 max_draft_length: int = 4, tree_size: int | None = None, max_batch: int = 16,
+                 controller: ControllerConfig | None = None, metrics: SchedulerMetrics | None = None):
         self.tokenizer, self.eos_token_ids, self.max_positions = tokenizer, eos_token_ids, max_positions
         self.drafts, self.verifiers, self.telemetry = drafts, verifiers, telemetry
         self.adaptive = draft_length == "adaptive"
         self.draft_length = max_draft_length if self.adaptive else int(draft_length)
         self.tree_size, self.max_batch = tree_size, max_batch
+        self.controller = None
+        if self.adaptive:
+            cfg = controller or ControllerConfig(max_draft_length=max_draft_length)
+            cfg.tree_width = -(-tree_size // cfg.max_draft_length) if tree_size else 1
+            self.controller = DraftController(cfg, priors=lambda cls: telemetry.priors(cls, cfg.max_draft_length))
         self.waiting: list[Live] = []
         self.running: list[Live] = []
         self.by_id: dict[str, Live] = {}
@@ -53,10 +64,15 @@ class SchedulerLoop:
         self.accepting = True
         self.steps = 0
         self.max_batch_seen = 0
+        self.metrics = metrics or SchedulerMetrics(Registry("scheduler"))
+        if self.controller is not None:
+            self.metrics.watch_controller(self.controller)
+        self.spans = RequestSpans("specserve.scheduler")  # the servicer opens each request's span
 
     # -- requests ---------------------------------------------------------------------------
     def submit(self, req_id: str, prompt_ids: list[int], params: SamplingParams,
-               draft_length: int | None = None, tree_size: int | None = None) -> Live:
+               draft_length: int | None = None, tree_size: int | None = None,
+               request_class: str = "default") -> Live:
         """Queue a request; raises ValueError for bad input, RuntimeError when shutting down."""
         if not self.accepting:
             raise RuntimeError("scheduler is shutting down")
@@ -71,7 +87,9 @@ class SchedulerLoop:
         req = Request(req_id, prompt_ids, params, self.tokenizer, self.eos_token_ids, draft_length=k,
                       tree_size=tree_size if tree_size is not None else (self.tree_size or k))
         live = Live(req, fixed_k=draft_length if draft_length is not None else (None if self.adaptive else k),
-                    params_pb=codec.params_to_pb(params))
+                    request_class=request_class or "default", params_pb=codec.params_to_pb(params))
+        if live.fixed_k is None:
+            self.controller.add(req_id, live.request_class)
         self.by_id[req_id] = live
         self.waiting.append(live)
         self.wake.set()
@@ -87,6 +105,8 @@ class SchedulerLoop:
         """Forget a finished request everywhere: its replicas free it with the next message."""
         rid = live.req.req_id
         self.by_id.pop(rid, None)
+        if self.controller is not None:
+            self.controller.remove(rid)
         for group in (self.waiting, self.running):
             if live in group:
                 group.remove(live)
@@ -139,11 +159,19 @@ class SchedulerLoop:
             await asyncio.sleep(0.05)
         await self._send_releases()
 
-    def _budget(self, live: Live) -> tuple[int, int]:
-        k = live.fixed_k
-        if k is None:
-            k = choose_draft_length(self.telemetry.stats(), self.draft_length)
-        return live.req.draft_budget(k)
+    def _budgets(self, batch: list[Live]) -> dict[str, tuple[int, int]]:
+        """(draft length, tree budget) per request: fixed ones as asked, the rest from the controller."""
+        out, caps = {}, {}
+        for lv in batch:
+            if lv.fixed_k is None:
+                caps[lv.req.req_id] = lv.req.draft_budget(self.draft_length)[0]
+            else:
+                out[lv.req.req_id] = lv.req.draft_budget(lv.fixed_k)
+        if caps:
+            for rid, d in self.controller.choose(caps).items():
+                out[rid] = (d.k, min(d.tree_size, 256))
+                self.metrics.record_choice(*out[rid])
+        return out
 
     async def _send_releases(self) -> None:
         pending, self.releases = self.releases, {}
@@ -181,7 +209,7 @@ class SchedulerLoop:
         self.max_batch_seen = max(self.max_batch_seen, len(batch))
         t0 = time.perf_counter()
         # Propose.
-        budgets = {lv.req.req_id: self._budget(lv) for lv in batch}
+        budgets = self._budgets(batch)
         draft_groups: dict[Replica, list[Live]] = {}
         for lv in batch:
             if budgets[lv.req.req_id][0] > 0:
@@ -195,7 +223,8 @@ class SchedulerLoop:
                 offset, new = self._new_tokens(rep, lv)
                 k, tree_size = budgets[lv.req.req_id]
                 items.append(draft_pb2.ProposeItem(request_id=lv.req.req_id, offset=offset, tokens=new,
-                                                   draft_length=k, tree_size=tree_size, params=lv.params_pb))
+                                                   draft_length=k, tree_size=tree_size, params=lv.params_pb,
+                                                   traceparent=self.spans.first(lv.req.req_id, offset)))
             return draft_pb2.ProposeStep(step_id=self.steps, items=items, release=release)
 
         trees: dict[str, DraftTree] = {}
@@ -226,16 +255,20 @@ class SchedulerLoop:
                 offset, new = self._new_tokens(rep, lv)
                 tree = trees.get(lv.req.req_id, DraftTree())
                 items.append(verifier_pb2.VerifyItem(request_id=lv.req.req_id, offset=offset, tokens=new,
-                                                     tree=codec.tree_to_pb(tree), params=lv.params_pb))
+                                                     tree=codec.tree_to_pb(tree), params=lv.params_pb,
+                                                     traceparent=self.spans.first(lv.req.req_id, offset)))
             return verifier_pb2.VerifyStep(step_id=self.steps, items=items, release=release)
 
         results = await self._exchange(verify_groups, build_verify)
         t2 = time.perf_counter()
         self.steps += 1
+        self.metrics.record_phases(t1 - t0, t2 - t1)
         if log.isEnabledFor(logging.DEBUG):
             worker_ms = max((r.timing.compute_ms for r in results.values() if r is not None), default=0.0)
             log.debug("step %d: %d requests, draft %.1f ms (worker %.1f), verify %.1f ms (worker %.1f)",
                       self.steps, len(batch), (t1 - t0) * 1e3, draft_ms, (t2 - t1) * 1e3, worker_ms)
+        outcomes: dict[str, tuple[int, int, int]] = {}  # (depth, accepted, output tokens)
+        finished: list[Live] = []
         for rep, res in results.items():
             if res is None:  # the replica failed: its requests are reassigned and re-prefilled
                 continue
@@ -246,11 +279,27 @@ class SchedulerLoop:
                     continue
                 rep.sent[rid] = len(lv.req.tokens)
                 tree = trees.get(rid, DraftTree())
-                committed = lv.req.commit(list(verdict.tokens), len(tree), len(verdict.accepted_nodes))
+                accepted = len(verdict.accepted_nodes)
+                committed = lv.req.commit(list(verdict.tokens), len(tree), accepted)
+                self.metrics.record_step(len(tree), accepted)
+                if rid in self.spans.spans:  # a traced request: its step span
+                    self.spans.step(rid, "scheduler.step", t0, t2, {
+                        "specserve.step_id": self.steps - 1, "specserve.batch_size": len(batch),
+                        "specserve.draft_length": budgets[rid][0], "specserve.tree_size": len(tree),
+                        "specserve.accepted_tokens": accepted, "specserve.output_tokens": len(committed),
+                        "specserve.draft_ms": (t1 - t0) * 1e3, "specserve.verify_ms": (t2 - t1) * 1e3})
+                depth = max(tree.depths(), default=0)
+                outcomes[rid] = (depth, accepted, len(verdict.tokens))
                 if tree.tokens:
-                    self.telemetry.record(StepRecord(tree.depths(), len(verdict.accepted_nodes),
+                    self.telemetry.record(StepRecord(lv.request_class, depth, accepted, len(tree),
                                                      (t1 - t0) * 1e3, (t2 - t1) * 1e3))
                 self._emit(lv, committed)
                 if lv.req.finished:
-                    self._retire(lv)
+                    finished.append(lv)
+        if self.controller is not None and outcomes:
+            shape = StepShape(len(batch), sum(len(v) for v in draft_groups.values()),
+                              sum(len(t) for t in trees.values()), max((o[0] for o in outcomes.values()), default=0))
+            self.controller.observe(shape, (t1 - t0) * 1e3, (t2 - t1) * 1e3, outcomes)
+        for lv in finished:
+            self._retire(lv)
         self.telemetry.flush()

@@ -1,13 +1,15 @@
-"""Acceptance and latency telemetry in Redis, shared by every scheduler of a model pair.
+"""Acceptance and latency telemetry in Redis: the priors every scheduler of a model pair shares.
 
-Per step and request: drafted and accepted tokens per tree depth, tree size, draft and verify
-latency. Writes are batched per step and sent in the background; a Redis outage never fails or
-slows a request (writes are dropped, logged once per interval, and the draft-length rule keeps
-its last estimates).
+Per step and request the scheduler records, for each draft depth the verifier judged (the path
+reached depth d - 1), whether the depth-d token was accepted; plus tree size and draft and
+verify latency. Counts go to time buckets per model pair and request class, so old data fades:
+a reader weighs bucket b by 0.5 ** (age / half_life). Writes are batched per step and sent in the
+background; a Redis outage never fails or slows a request (writes are dropped, logged once per
+interval, and the priors fall back to this scheduler's own decayed counts).
 
-Keys (hashes, counters that only grow; rates are ratios of counters):
-    specserve:accept:{pair}   drafted:{depth}, accepted:{depth}, steps, tree_nodes
-    specserve:latency:{pair}  draft_ms_sum, verify_ms_sum, steps
+Keys (hashes of counters; each bucket expires after `keep_buckets` intervals):
+    specserve:accept:{pair}:{class}:{bucket}   judged:{d}, accepted:{d}, steps, tree_nodes
+    specserve:latency:{pair}                   draft_ms_sum, verify_ms_sum, steps
 """
 
 from __future__ import annotations
@@ -17,54 +19,89 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from services.scheduler.policy import depth_outcomes
+
 log = logging.getLogger(__name__)
 
 LOG_INTERVAL_S = 30.0
+MIN_JUDGED = 10.0  # weighted observations before a depth's shared rate is trusted
 
 
 @dataclass
 class StepRecord:
-    depths: list[int]  # depth of every drafted node of one request (1 = first draft token)
+    request_class: str
+    depth: int  # deepest draft token of the request's tree this step (0 = none)
     accepted: int  # accepted path length
+    nodes: int  # tree size
     draft_ms: float
     verify_ms: float
 
 
 @dataclass
 class AcceptanceStats:
-    drafted: dict[int, int] = field(default_factory=dict)
-    accepted: dict[int, int] = field(default_factory=dict)
+    """Weighted counts per depth: judged (the path reached d - 1) and accepted."""
+
+    judged: dict[int, float] = field(default_factory=dict)
+    accepted: dict[int, float] = field(default_factory=dict)
+
+    def add(self, depth: int, accepted: int, weight: float = 1.0) -> None:
+        for d, ok in depth_outcomes(depth, accepted):
+            self.judged[d] = self.judged.get(d, 0.0) + weight
+            if ok:
+                self.accepted[d] = self.accepted.get(d, 0.0) + weight
+
+    def scale(self, factor: float) -> None:
+        self.judged = {d: v * factor for d, v in self.judged.items()}
+        self.accepted = {d: v * factor for d, v in self.accepted.items()}
+
+    def merge(self, other: "AcceptanceStats", weight: float) -> None:
+        for d, v in other.judged.items():
+            self.judged[d] = self.judged.get(d, 0.0) + weight * v
+        for d, v in other.accepted.items():
+            self.accepted[d] = self.accepted.get(d, 0.0) + weight * v
 
     def rate(self, depth: int) -> float | None:
         """P(the depth-th draft token is accepted | the path reached depth - 1), or None."""
-        d = self.drafted.get(depth, 0)
-        return self.accepted.get(depth, 0) / d if d >= 20 else None
+        n = self.judged.get(depth, 0.0)
+        return self.accepted.get(depth, 0.0) / n if n >= MIN_JUDGED else None
+
+    def rates(self, max_depth: int) -> list[float | None]:
+        return [self.rate(d) for d in range(1, max_depth + 1)]
 
 
 class Telemetry:
-    def __init__(self, redis_url: str | None, pair: str):
+    def __init__(self, redis_url: str | None, pair: str, bucket_s: float = 60.0, half_life_s: float = 600.0,
+                 keep_buckets: int = 30, local_decay: float = 0.999, clock=time.time):
         self.pair = pair
+        self.bucket_s, self.half_life_s, self.keep_buckets = bucket_s, half_life_s, keep_buckets
+        self.clock = clock
         self.client = None
         if redis_url:
             import redis.asyncio as redis
 
             self.client = redis.from_url(redis_url, socket_timeout=0.5, socket_connect_timeout=0.5)
-        self.local = AcceptanceStats()  # used when Redis is absent or down
-        self.shared: AcceptanceStats | None = None
+        self.local: dict[str, AcceptanceStats] = {}  # this scheduler's own counts, decayed per record
+        self.local_decay = local_decay
+        self.shared: dict[str, AcceptanceStats] = {}  # read back from Redis after each write
         self._pending: list[StepRecord] = []
         self._last_error_log = 0.0
         self._task: asyncio.Task | None = None
         self.redis_errors = 0
 
     def record(self, rec: StepRecord) -> None:
-        for depth in sorted(set(rec.depths)):
-            self.local.drafted[depth] = self.local.drafted.get(depth, 0) + 1
-            if depth <= rec.accepted:
-                self.local.accepted[depth] = self.local.accepted.get(depth, 0) + 1
-        self._pending.append(rec)
+        stats = self.local.setdefault(rec.request_class, AcceptanceStats())
+        stats.scale(self.local_decay)
+        stats.add(rec.depth, rec.accepted)
+        if self.client is not None:
+            self._pending.append(rec)
 
-    def stats(self) -> AcceptanceStats:
-        return self.shared if self.shared is not None else self.local
+    def stats(self, request_class: str = "default") -> AcceptanceStats:
+        shared = self.shared.get(request_class)
+        return shared if shared is not None else self.local.get(request_class, AcceptanceStats())
+
+    def priors(self, request_class: str, max_depth: int) -> list[float | None]:
+        """Per-depth acceptance for a new request of this class (None where too little is known)."""
+        return self.stats(request_class).rates(max_depth)
 
     def flush(self) -> None:
         """Send pending records in the background (at most one flush in flight)."""
@@ -73,23 +110,39 @@ class Telemetry:
         batch, self._pending = self._pending, []
         self._task = asyncio.create_task(self._write(batch))
 
+    def _key(self, request_class: str, bucket: int) -> str:
+        return f"specserve:accept:{self.pair}:{request_class}:{bucket}"
+
     async def _write(self, batch: list[StepRecord]) -> None:
         try:
+            now = self.clock()
+            bucket = int(now // self.bucket_s)
+            ttl = int(self.bucket_s * self.keep_buckets)
             pipe = self.client.pipeline(transaction=False)
-            akey, lkey = f"specserve:accept:{self.pair}", f"specserve:latency:{self.pair}"
+            lkey = f"specserve:latency:{self.pair}"
+            classes = sorted({rec.request_class for rec in batch})
             for rec in batch:
-                for depth in sorted(set(rec.depths)):
-                    pipe.hincrby(akey, f"drafted:{depth}", 1)
-                    if depth <= rec.accepted:
-                        pipe.hincrby(akey, f"accepted:{depth}", 1)
+                akey = self._key(rec.request_class, bucket)
+                for d, ok in depth_outcomes(rec.depth, rec.accepted):
+                    pipe.hincrby(akey, f"judged:{d}", 1)
+                    if ok:
+                        pipe.hincrby(akey, f"accepted:{d}", 1)
                 pipe.hincrby(akey, "steps", 1)
-                pipe.hincrby(akey, "tree_nodes", len(rec.depths))
+                pipe.hincrby(akey, "tree_nodes", rec.nodes)
                 pipe.hincrbyfloat(lkey, "draft_ms_sum", rec.draft_ms)
                 pipe.hincrbyfloat(lkey, "verify_ms_sum", rec.verify_ms)
                 pipe.hincrby(lkey, "steps", 1)
-            pipe.hgetall(akey)
+            for cls in classes:
+                pipe.expire(self._key(cls, bucket), ttl)
+            reads = [(cls, b) for cls in classes for b in range(bucket - self.keep_buckets + 1, bucket + 1)]
+            for cls, b in reads:
+                pipe.hgetall(self._key(cls, b))
             results = await asyncio.wait_for(pipe.execute(), timeout=1.0)
-            self.shared = _parse(results[-1])
+            fresh: dict[str, AcceptanceStats] = {cls: AcceptanceStats() for cls in classes}
+            for (cls, b), raw in zip(reads, results[len(results) - len(reads):]):
+                age_s = max(0.0, now - (b + 0.5) * self.bucket_s)
+                fresh[cls].merge(_parse(raw), 0.5 ** (age_s / self.half_life_s))
+            self.shared.update(fresh)
         except Exception as e:  # Redis down or slow: drop this batch, keep serving
             self.redis_errors += 1
             now = time.monotonic()
@@ -109,19 +162,6 @@ def _parse(raw: dict) -> AcceptanceStats:
     for k, v in raw.items():
         key = k.decode() if isinstance(k, bytes) else k
         kind, _, depth = key.partition(":")
-        if depth.isdigit() and kind in ("drafted", "accepted"):
-            getattr(stats, kind)[int(depth)] = int(v)
+        if depth.isdigit() and kind in ("judged", "accepted"):
+            getattr(stats, kind)[int(depth)] = float(v)
     return stats
-
-
-def choose_draft_length(stats: AcceptanceStats, max_k: int, min_reach: float = 0.3) -> int:
-    """The simple rule: draft as deep as the chance of the path still being accepted there stays
-    at least `min_reach` (without data for a depth, assume it pays)."""
-    reach, k = 1.0, 0
-    for depth in range(1, max_k + 1):
-        rate = stats.rate(depth)
-        reach *= 1.0 if rate is None else rate
-        if reach < min_reach:
-            break
-        k = depth
-    return max(1, k)

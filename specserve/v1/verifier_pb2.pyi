@@ -8,18 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class VerifyItem(_message.Message):
-    __slots__ = ("request_id", "offset", "tokens", "tree", "params")
+    __slots__ = ("request_id", "offset", "tokens", "tree", "params", "traceparent")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     offset: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     tree: _common_pb2.DraftTree
     params: _common_pb2.SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., offset: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., tree: _Optional[_Union[_common_pb2.DraftTree, _Mapping]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, request_id: _Optional[str] = ..., offset: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., tree: _Optional[_Union[_common_pb2.DraftTree, _Mapping]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class VerifyStep(_message.Message):
     __slots__ = ("step_id", "items", "release")

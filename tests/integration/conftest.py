@@ -97,7 +97,9 @@ def stack(tmp_path_factory, redis_url, home):
     st = Stack(root, env)
     try:
         verifier = st.start("verifier", "--target", str(target))
-        drafter = st.start("draft", "--target", str(target), "--draft", str(draft))
+        # The full LM head, as the in-process engine below uses: seeded samples then match token
+        # for token (SlimSpec's own equality tests are in tests/unit).
+        drafter = st.start("draft", "--target", str(target), "--draft", str(draft), "--compression-ratio", "1.0")
         st.wait_healthy(verifier)
         st.wait_healthy(drafter)
         sched = st.start("scheduler", "--target", str(target), "--draft-addrs", drafter.addr,

@@ -152,13 +152,14 @@ def test_telemetry_reaches_redis(stack, redis_url):
     client = redis.Redis.from_url(redis_url)
     deadline = time.monotonic() + 5
     while True:
-        keys = list(client.scan_iter("specserve:accept:*"))
-        if keys and int(client.hget(keys[0], "drafted:1") or 0) > 0:
+        keys = list(client.scan_iter("specserve:accept:*:default:*"))
+        if keys and int(client.hget(keys[0], "judged:1") or 0) > 0:
             break
         assert time.monotonic() < deadline, f"no acceptance telemetry in Redis: {keys}"
         time.sleep(0.1)
     fields = {k.decode() for k in client.hkeys(keys[0])}
-    assert {"drafted:1", "steps", "tree_nodes"} <= fields
+    assert {"judged:1", "steps", "tree_nodes"} <= fields
+    assert 0 < client.ttl(keys[0]) <= 30 * 60  # time buckets fade out
     latency = list(client.scan_iter("specserve:latency:*"))
     assert latency and float(client.hget(latency[0], "verify_ms_sum")) > 0
 

@@ -1,51 +1,36 @@
-"""Scheduler policy pieces that need no model: the draft-length rule, replica assignment, the
-token ledger of the step protocol."""
+"""Scheduler pieces that need no model: telemetry without Redis, replica assignment, the token
+ledger of the step protocol."""
 
 import asyncio
 
 from services.common.ledger import TokenLedger
-from services.scheduler.telemetry import AcceptanceStats, StepRecord, Telemetry, choose_draft_length
+from services.scheduler.telemetry import StepRecord, Telemetry
 from services.scheduler.workers import ReplicaSet
 
 
-def stats(rates: dict[int, float], n: int = 100) -> AcceptanceStats:
-    s = AcceptanceStats()
-    for depth, rate in rates.items():
-        s.drafted[depth] = n
-        s.accepted[depth] = int(rate * n)
-    return s
-
-
-def test_draft_length_rule_follows_acceptance():
-    assert choose_draft_length(stats({}), 6) == 6  # no data yet: draft the maximum
-    assert choose_draft_length(stats({1: 0.9, 2: 0.9, 3: 0.9, 4: 0.9}), 4) == 4
-    assert choose_draft_length(stats({1: 0.8, 2: 0.5, 3: 0.5}), 8) == 2  # reach 0.8, 0.4, then 0.2 < 0.3
-    assert choose_draft_length(stats({1: 0.1}), 8) == 1  # never below 1
-    few = stats({1: 0.0}, n=5)  # too few samples to trust
-    assert choose_draft_length(few, 3) == 3
-
-
 def test_telemetry_without_redis_keeps_local_estimates():
-    t = Telemetry(None, "pair")
+    t = Telemetry(None, "pair", local_decay=1.0)
     for _ in range(30):
-        t.record(StepRecord(depths=[1, 2, 2, 3], accepted=1, draft_ms=1.0, verify_ms=2.0))
-    s = t.stats()
-    assert s.drafted == {1: 30, 2: 30, 3: 30}
+        t.record(StepRecord("chat", depth=3, accepted=1, nodes=4, draft_ms=1.0, verify_ms=2.0))
+    s = t.stats("chat")
+    assert s.judged == {1: 30, 2: 30}  # depth 3 was never reached, so never judged
     assert s.accepted == {1: 30}
-    assert s.rate(1) == 1.0 and s.rate(2) == 0.0
+    assert s.rate(1) == 1.0 and s.rate(2) == 0.0 and s.rate(3) is None
+    assert t.priors("chat", 3) == [1.0, 0.0, None]
+    assert t.priors("code", 2) == [None, None]  # classes are kept apart
 
 
 def test_telemetry_survives_an_unreachable_redis():
     async def scenario():
         t = Telemetry("redis://127.0.0.1:1/0", "pair")  # nothing listens on port 1
-        t.record(StepRecord(depths=[1], accepted=1, draft_ms=1.0, verify_ms=1.0))
+        t.record(StepRecord("default", depth=1, accepted=1, nodes=1, draft_ms=1.0, verify_ms=1.0))
         t.flush()
         await asyncio.wait_for(t._task, 5)
         await t.close()
         return t
 
     t = asyncio.run(scenario())
-    assert t.redis_errors == 1 and t.stats().drafted == {1: 1}
+    assert t.redis_errors == 1 and t.stats().judged == {1: 1}
 
 
 def test_requests_stick_to_a_replica_and_spread_across_replicas():

@@ -1,0 +1,150 @@
+"""DraftController: the adaptive draft length of every running request, step by step.
+
+It keeps one `Acceptance` per request (seeded from the shared prior of the request's class), one
+`LatencyModel` for the step, re-plans with `policy.plan` at most every `adjust_interval_ms`
+(and whenever a request joins), learns from every step, and says what it decided in logs. Plain
+Python: the same object serves the gRPC scheduler and the in-process engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from services.scheduler.policy import Acceptance, Candidate, LatencyModel, Plan, StepShape, expected_tokens, plan
+
+log = logging.getLogger(__name__)
+
+Priors = Callable[[str], list]  # request class -> [alpha_1..alpha_max or None]
+
+
+@dataclass
+class ControllerConfig:
+    min_draft_length: int = 0
+    max_draft_length: int = 4
+    tree_width: int = 1  # draft nodes per level (1 = chains); a request's tree budget is k * width
+    adjust_interval_ms: float = 0.0  # re-plan at most this often (0 = every step)
+    rejection_alert: float = 0.85  # warn when more than this share of draft tokens is rejected
+    log_interval_s: float = 10.0  # at most one line per kind per interval
+
+    def validate(self) -> None:
+        if not 0 <= self.min_draft_length <= self.max_draft_length:
+            raise ValueError(f"need 0 <= min_draft_length ({self.min_draft_length}) <= max_draft_length "
+                             f"({self.max_draft_length})")
+        if self.tree_width < 1:
+            raise ValueError(f"tree_width must be >= 1, got {self.tree_width}")
+        if self.adjust_interval_ms < 0:
+            raise ValueError(f"adjust_interval_ms must be >= 0, got {self.adjust_interval_ms}")
+
+
+@dataclass
+class Decision:
+    k: int
+    tree_size: int
+
+
+class DraftController:
+    def __init__(self, config: ControllerConfig, latency: LatencyModel | None = None,
+                 priors: Priors | None = None, clock: Callable[[], float] = time.monotonic):
+        config.validate()
+        self.config = config
+        self.latency = latency or LatencyModel()
+        self.priors = priors or (lambda cls: [])
+        self.clock = clock
+        self.accept: dict[str, Acceptance] = {}
+        self.classes: dict[str, str] = {}
+        self.current: dict[str, int] = {}
+        self.last_plan: Plan | None = None
+        self._planned_at = -math.inf
+        self._typical_k: int | None = None
+        self._last_log: dict[str, float] = {}
+        # Rolling draft outcome (decayed counts) for the rejection alert, and the prediction check.
+        self.recent_drafted = 0.0
+        self.recent_accepted = 0.0
+        self.predicted_tokens = 0.0  # expected output tokens of the steps observed so far
+        self.observed_tokens = 0  # their actual output tokens
+
+    # -- requests ------------------------------------------------------------------------------
+    def add(self, req_id: str, request_class: str = "default") -> None:
+        self.classes[req_id] = request_class
+        self.accept[req_id] = Acceptance(self.config.max_draft_length, self.priors(request_class))
+        self._planned_at = -math.inf  # a newcomer gets a plan at once
+
+    def remove(self, req_id: str) -> None:
+        for d in (self.accept, self.classes, self.current):
+            d.pop(req_id, None)
+
+    # -- choosing -------------------------------------------------------------------------------
+    def choose(self, caps: dict[str, int]) -> dict[str, Decision]:
+        """Draft length and tree budget per request, given each one's cap on k this step (what
+        the request may still emit, the draft's context room)."""
+        for rid in caps:
+            if rid not in self.accept:
+                self.add(rid)
+        now = self.clock()
+        due = (now - self._planned_at) * 1e3 >= self.config.adjust_interval_ms
+        if due or any(rid not in self.current for rid in caps):
+            cfg = self.config
+            cands = [Candidate(rid, self.accept[rid].rates(), max_k=min(cap, cfg.max_draft_length),
+                               min_k=cfg.min_draft_length, width=cfg.tree_width) for rid, cap in caps.items()]
+            self.last_plan = plan(cands, self.latency)
+            self.current.update(self.last_plan.k)
+            self._planned_at = now
+            self._report(self.last_plan)
+        out = {}
+        for rid, cap in caps.items():
+            k = max(0, min(self.current.get(rid, 0), cap))
+            out[rid] = Decision(k, k * self.config.tree_width)
+        return out
+
+    # -- learning -------------------------------------------------------------------------------
+    def observe(self, shape: StepShape, draft_ms: float, verify_ms: float,
+                outcomes: dict[str, tuple[int, int, int]]) -> None:
+        """One step: its shape and latencies, and per request (depth drafted, draft tokens
+        accepted, output tokens)."""
+        self.latency.observe(shape, draft_ms, verify_ms)
+        for rid, (depth, accepted, output) in outcomes.items():
+            acc = self.accept.get(rid)
+            if acc is None:
+                continue
+            self.predicted_tokens += expected_tokens(acc.rates(), depth)
+            self.observed_tokens += output
+            acc.observe(depth, accepted)
+            if depth:
+                self.recent_drafted = self.recent_drafted * 0.99 + depth
+                self.recent_accepted = self.recent_accepted * 0.99 + accepted
+        rejected = 1.0 - self.recent_accepted / self.recent_drafted if self.recent_drafted >= 20 else 0.0
+        if rejected > self.config.rejection_alert and self._may_log("rejection"):
+            log.warning("draft rejection rate exceeded threshold (%.0f%%): %.0f%% of recent draft tokens rejected",
+                        100 * self.config.rejection_alert, 100 * rejected)
+
+    # -- reporting ------------------------------------------------------------------------------
+    def _may_log(self, kind: str) -> bool:
+        now = self.clock()
+        if now - self._last_log.get(kind, -math.inf) < self.config.log_interval_s:
+            return False
+        self._last_log[kind] = now
+        return True
+
+    def _report(self, p: Plan) -> None:
+        ks = sorted(p.k.values())
+        typical = ks[len(ks) // 2] if ks else 0
+        if typical != self._typical_k and self._typical_k is not None and self._may_log("adjusted"):
+            log.info("draft length adjusted from %d to %d (expected %.2f tokens per step over %d requests, "
+                     "%.1f tokens/s predicted vs %.1f without drafting)", self._typical_k, typical,
+                     p.expected_tokens / max(1, len(ks)), len(ks), p.tokens_per_s, p.plain_tokens_per_s)
+        self._typical_k = typical
+
+    def stats(self) -> dict:
+        """For metrics: the last plan and how well its predictions held."""
+        p = self.last_plan
+        return {
+            "chosen_k": dict(self.current),
+            "predicted_tokens_per_s": p.tokens_per_s if p and p.step_ms else 0.0,
+            "plain_tokens_per_s": p.plain_tokens_per_s if p else 0.0,
+            "predicted_tokens": self.predicted_tokens,
+            "observed_tokens": self.observed_tokens,
+        }

@@ -1,0 +1,258 @@
+"""The draft-length policy: how many tokens each request drafts this step (plain Python, no torch).
+
+Three parts, each fitted from what the scheduler measures:
+
+- `LatencyModel`: one step's draft and verify latency as linear functions of the step's shape
+  (batch size, tree nodes, draft depth), fitted by exponentially weighted least squares that
+  starts from warm-up measurements and follows the telemetry of every step.
+- `Acceptance`: per-depth acceptance probabilities alpha_d = P(the depth-d draft token is
+  accepted | the path reached depth d - 1) for one request, from its own decayed counts blended
+  with a prior shared by every scheduler of the model pair and request class.
+- `plan`: picks every request's draft length k to maximize the whole batch's expected output
+  tokens per second,
+
+      sum_i E_i(k_i) / T(k_1..k_n),   E(k) = 1 + sum_{d<=k} prod_{j<=d} alpha_j,
+
+  where T is the predicted step latency. k = 0 (plain decoding) is always a candidate, so the
+  policy speculates only where the prediction says it pays. The ratio is maximized exactly by
+  Dinkelbach's method (for a fixed ratio lambda the problem separates by request) inside an
+  enumeration of the step's deepest draft (the one term that couples requests).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+# -- latency -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StepShape:
+    """What a step costs is a function of: requests verified, requests drafting, draft nodes in
+    all trees, and the deepest tree (a draft model runs one forward per level)."""
+
+    batch: int
+    drafting: int
+    nodes: int
+    depth: int
+
+    def verify_features(self) -> tuple[float, ...]:
+        return (1.0, float(self.batch), float(self.nodes))
+
+    def draft_features(self) -> tuple[float, ...]:
+        return (1.0, float(self.drafting), float(self.nodes), float(self.depth))
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """Solve a x = b for a small symmetric positive definite a (Gaussian elimination, pivoting)."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for col in range(n):
+        piv = max(range(col, n), key=lambda r: abs(m[r][col]))
+        m[col], m[piv] = m[piv], m[col]
+        p = m[col][col]
+        for r in range(n):
+            if r != col and m[r][col] != 0.0:
+                f = m[r][col] / p
+                m[r] = [x - f * y for x, y in zip(m[r], m[col])]
+    return [m[i][n] / m[i][i] for i in range(n)]
+
+
+class LinearFit:
+    """y ~ w . x by exponentially weighted least squares with a ridge pull toward prior weights.
+
+    Each observation's weight decays by `decay` per later observation, so the fit follows a
+    machine whose speed drifts. Weights are kept non-negative (no latency falls with size).
+    """
+
+    def __init__(self, prior: tuple[float, ...], ridge: float = 1e-3, decay: float = 0.995):
+        self.prior = list(prior)
+        self.ridge, self.decay = ridge, decay
+        n = len(prior)
+        self.xtx = [[0.0] * n for _ in range(n)]
+        self.xty = [0.0] * n
+        self.samples = 0
+        self._w: list[float] | None = list(prior)
+
+    def observe(self, x: tuple[float, ...], y: float) -> None:
+        n = len(self.prior)
+        for i in range(n):
+            self.xty[i] = self.xty[i] * self.decay + x[i] * y
+            row = self.xtx[i]
+            for j in range(n):
+                row[j] = row[j] * self.decay + x[i] * x[j]
+        self.samples += 1
+        self._w = None
+
+    @property
+    def weights(self) -> list[float]:
+        if self._w is None:
+            n = len(self.prior)
+            a = [[self.xtx[i][j] + (self.ridge if i == j else 0.0) for j in range(n)] for i in range(n)]
+            b = [self.xty[i] + self.ridge * self.prior[i] for i in range(n)]
+            w = _solve(a, b)
+            if any(v < 0 for v in w):  # refit with the negative terms pinned at zero
+                keep = [i for i, v in enumerate(w) if v > 0]
+                sub = _solve([[a[i][j] for j in keep] for i in keep], [b[i] for i in keep]) if keep else []
+                w = [0.0] * n
+                for i, v in zip(keep, sub):
+                    w[i] = max(0.0, v)
+            self._w = w
+        return self._w
+
+    def predict(self, x: tuple[float, ...]) -> float:
+        return sum(w * v for w, v in zip(self.weights, x))
+
+
+class LatencyModel:
+    """Predicted step latency in ms: verify(batch, nodes) + draft(drafting, nodes, depth)."""
+
+    def __init__(self, verify_prior: tuple[float, ...] = (30.0, 2.0, 2.0),
+                 draft_prior: tuple[float, ...] = (2.0, 0.5, 0.5, 1.0)):
+        self.verify = LinearFit(verify_prior)
+        self.draft = LinearFit(draft_prior)
+
+    def observe(self, shape: StepShape, draft_ms: float, verify_ms: float) -> None:
+        self.verify.observe(shape.verify_features(), verify_ms)
+        if shape.drafting:
+            self.draft.observe(shape.draft_features(), draft_ms)
+
+    def step_ms(self, shape: StepShape) -> float:
+        ms = self.verify.predict(shape.verify_features())
+        if shape.drafting:
+            ms += self.draft.predict(shape.draft_features())
+        return max(ms, 1e-3)
+
+
+# -- acceptance --------------------------------------------------------------------------------
+def depth_outcomes(depth: int, accepted: int) -> list[tuple[int, bool]]:
+    """(depth d, accepted?) for every depth whose draft token the verifier judged: the path
+    reached d - 1. A step drafting to `depth` with `accepted` tokens accepted."""
+    return [(d, d <= accepted) for d in range(1, min(depth, accepted + 1) + 1)]
+
+
+@dataclass
+class Acceptance:
+    """alpha_d for one request: its own counts (decayed each step) over a prior worth
+    `prior_weight` observations per depth. A depth without a prior (None) takes the rate found
+    one level up, so a request that was never drafted deep is judged by how it does shallow."""
+
+    max_depth: int
+    prior: list[float | None]  # alpha_1..alpha_max_depth, None = unknown
+    prior_weight: float = 4.0
+    decay: float = 0.98  # per step: a half-life of about 34 steps
+    default: float = 0.5  # alpha_1 when nothing is known at all
+    judged: list[float] = field(default_factory=list)
+    accepted: list[float] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.prior = (list(self.prior) + [None] * self.max_depth)[: self.max_depth]
+        self.judged = [0.0] * self.max_depth
+        self.accepted = [0.0] * self.max_depth
+
+    def observe(self, depth: int, accepted: int) -> None:
+        """One step: decay what is known, then count this step's outcomes."""
+        self.judged = [v * self.decay for v in self.judged]
+        self.accepted = [v * self.decay for v in self.accepted]
+        for d, ok in depth_outcomes(min(depth, self.max_depth), accepted):
+            self.judged[d - 1] += 1.0
+            self.accepted[d - 1] += 1.0 if ok else 0.0
+
+    def rates(self) -> list[float]:
+        out, above = [], self.default
+        for a, n, p in zip(self.accepted, self.judged, self.prior):
+            above = (a + self.prior_weight * (above if p is None else p)) / (n + self.prior_weight)
+            out.append(above)
+        return out
+
+
+def expected_tokens(rates: list[float], k: int) -> float:
+    """E(k): output tokens of a step drafting k deep (accepted path plus the one the target adds)."""
+    total, reach = 1.0, 1.0
+    for d in range(k):
+        reach *= rates[d]
+        total += reach
+    return total
+
+
+# -- the plan ----------------------------------------------------------------------------------
+@dataclass
+class Candidate:
+    """One running request as the planner sees it."""
+
+    req_id: str
+    rates: list[float]  # alpha_1..alpha_max (at least max_k of them)
+    max_k: int  # this request's cap (remaining tokens, the draft's context, max_draft_length)
+    min_k: int = 0
+    width: int = 1  # tree nodes per level (1 = a chain)
+
+
+@dataclass
+class Plan:
+    k: dict[str, int]
+    expected_tokens: float  # sum over requests of E_i(k_i)
+    step_ms: float  # predicted
+    plain_tokens_per_s: float  # the same batch with k = 0 everywhere (if allowed)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return 1e3 * self.expected_tokens / self.step_ms
+
+
+def _shape(cands: list[Candidate], ks: list[int], depth: int | None = None) -> StepShape:
+    nodes = sum(k * c.width for c, k in zip(cands, ks))
+    drafting = sum(1 for k in ks if k)
+    deepest = max(ks, default=0) if depth is None or not drafting else depth
+    return StepShape(len(cands), drafting, nodes, deepest)
+
+
+def evaluate(cands: list[Candidate], ks: list[int], cost: LatencyModel,
+             depth: int | None = None) -> tuple[float, float]:
+    """(expected output tokens, predicted step ms) of a choice of k per request (with the
+    draft's depth term charged at `depth` instead of the deepest k, when given)."""
+    tokens = sum(expected_tokens(c.rates, k) for c, k in zip(cands, ks))
+    return tokens, cost.step_ms(_shape(cands, ks, depth))
+
+
+def _choose(cands: list[Candidate], cap: int, lam: float, cost: LatencyModel) -> list[int]:
+    """Maximize sum_i E_i(k_i) - lam * T(k) over k_i <= cap, with the draft's depth term charged
+    at the cap. Without the shared terms the problem separates by request."""
+    vw, dw = cost.verify.weights, cost.draft.weights  # [1, batch, nodes], [1, drafting, nodes, depth]
+    per_node = vw[2] + dw[2]
+
+    def value(c: Candidate, k: int) -> float:
+        return expected_tokens(c.rates, k) - lam * (per_node * k * c.width + (dw[1] if k else 0.0))
+
+    ranges = [range(min(c.min_k, min(cap, c.max_k)), min(cap, c.max_k) + 1) for c in cands]
+    ks = [max(r, key=lambda k, c=c: value(c, k)) for c, r in zip(cands, ranges)]  # ties: smallest k
+    if any(ks) and all(r.start == 0 for r in ranges):  # or draft nothing and skip the shared terms
+        drafting = sum(value(c, k) for c, k in zip(cands, ks)) - lam * (dw[0] + dw[3] * cap)
+        if sum(value(c, 0) for c in cands) >= drafting:
+            ks = [0] * len(cands)
+    return ks
+
+
+def plan(cands: list[Candidate], cost: LatencyModel) -> Plan:
+    """The k per request maximizing expected batch tokens per second. Exact for the linear
+    latency model: for each cap on the deepest draft, Dinkelbach's iteration on the ratio (the
+    optimum's own depth is one of the caps, where the capped cost is the true cost)."""
+    if not cands:
+        return Plan({}, 0.0, 0.0, 0.0)
+    lowest = max(min(c.min_k, c.max_k) for c in cands)  # every request's own floor fits under it
+    best, best_ratio = None, -1.0
+    for cap in range(lowest, max(c.max_k for c in cands) + 1):
+        ks = _choose(cands, cap, 0.0, cost)
+        tok, ms = evaluate(cands, ks, cost, depth=cap)
+        lam = tok / ms
+        for _ in range(50):
+            new = _choose(cands, cap, lam, cost)
+            tok, ms = evaluate(cands, new, cost, depth=cap)
+            if tok / ms <= lam * (1 + 1e-12):
+                break
+            ks, lam = new, tok / ms
+        tok, ms = evaluate(cands, ks, cost)
+        if tok / ms > best_ratio * (1 + 1e-12):
+            best, best_ratio = ks, tok / ms
+    tok, ms = evaluate(cands, best, cost)
+    ptok, pms = evaluate(cands, [min(c.min_k, c.max_k) for c in cands], cost)
+    return Plan(dict(zip((c.req_id for c in cands), best)), tok, ms, 1e3 * ptok / pms)

@@ -1,0 +1,81 @@
+"""The adaptive draft length in the in-process engine: still lossless, and it stops drafting when
+drafting cannot pay."""
+
+import numpy as np
+import pytest
+import torch
+
+from services.common.loading import load_model
+from services.common.sampling import SamplingParams
+from services.draft.model_proposer import ModelProposer
+from services.draft.ngram import NgramProposer
+from services.scheduler.engine import Engine, EngineConfig
+from services.scheduler.policy import LatencyModel
+from tests import tiny
+from tests.unit import test_distribution as dist
+
+MAX_NEW = 40
+
+
+@pytest.fixture(scope="module")
+def models(tiny_target, tiny_draft):
+    return load_model(str(tiny_target)), load_model(str(tiny_draft)), tiny.hf_model(tiny_target)
+
+
+def prompts():
+    gen = torch.Generator().manual_seed(11)
+    return [torch.randint(3, 64, (n,), generator=gen).tolist() for n in (4, 12)] + [[5, 6, 7, 8] * 3]
+
+
+@pytest.mark.parametrize("kind,tree_size", [("model", None), ("model", 8), ("ngram", None)])
+def test_adaptive_engine_equals_hf_greedy(models, kind, tree_size):
+    target, draft, hf = models
+    proposer = ModelProposer(draft.model, target.config.vocab_size) if kind == "model" else NgramProposer()
+    engine = Engine(target, proposer, EngineConfig(draft_length="adaptive", tree_size=tree_size, max_batch=2))
+    ps = prompts()
+    reqs = engine.generate(ps, SamplingParams(max_tokens=MAX_NEW))
+    for prompt, req in zip(ps, reqs):
+        assert req.output_ids == tiny.hf_greedy(hf, prompt, MAX_NEW)
+    assert engine.controller.latency.verify.samples > 0  # warm-up and steps were measured
+    assert not engine.verifier.active_requests() and not proposer.active_requests()
+    assert not engine.controller.accept  # finished requests are forgotten
+
+
+def test_adaptive_engine_samples_the_target_distribution(tmp_path_factory, home):
+    """k changes from step to step (chosen from past outcomes only), and every step stays an
+    exact sample: the joint distribution of three tokens matches the target's (chi-square)."""
+    root = tmp_path_factory.mktemp("adaptive-dist")
+    target_dir = tiny.make_checkpoint(root / "target", vocab_size=dist.V, seed=21, init_std=0.2)
+    close_dir = tiny.make_checkpoint(root / "close", vocab_size=dist.V, seed=22, noise_from=target_dir, noise_std=0.1)
+    target, close = load_model(str(target_dir)), load_model(str(close_dir))
+    params = SamplingParams(max_tokens=3, temperature=0.9, top_p=0.95, ignore_eos=True)
+    engine = Engine(target, ModelProposer(close.model, dist.V),
+                    EngineConfig(draft_length="adaptive", min_draft_length=1, max_draft_length=3, max_batch=1000))
+    reqs = [engine.add_request(dist.PROMPT, SamplingParams(**{**params.__dict__, "seed": s}))
+            for s in range(dist.SAMPLES)]
+    while engine.has_work():
+        engine.step()
+    counts = np.zeros((dist.V,) * 3)
+    for r in reqs:
+        assert len(r.output_ids) == 3
+        counts[tuple(r.output_ids)] += 1
+    assert sum(r.stats.drafted for r in reqs) >= dist.SAMPLES  # it did speculate
+    dist.assert_matches(counts, dist.exact_distribution(tiny.hf_model(target_dir), params))
+
+
+def test_adaptive_stops_drafting_a_draft_that_is_never_right(models):
+    """A draft that proposes the target's least likely tokens is never accepted: after a probe or
+    two the controller decodes plainly, re-probing only rarely."""
+    target, _, _ = models
+    vocab = target.config.vocab_size
+    proposer = ModelProposer(target.model, vocab)
+    proposer._distributions = lambda works, logits, *_: [(-lg[:, :vocab].float()).softmax(-1).topk(4, dim=-1)
+                                                     for lg in logits]
+    engine = Engine(target, proposer, EngineConfig(draft_length="adaptive", max_draft_length=4))
+    # Drafting pays at the prior (alpha 0.5) under this latency law, and not at alpha 0.
+    engine.controller.latency = LatencyModel(verify_prior=(10.0, 0.0, 2.0), draft_prior=(0.0, 0.0, 0.5, 0.5))
+    engine._calibrated = True
+    req = engine.generate([prompts()[1]], SamplingParams(max_tokens=80, ignore_eos=True))[0]
+    assert req.stats.accepted == 0
+    assert 1 <= req.stats.drafted <= 12  # it did try, then mostly decoded plainly
+    assert len(req.output_ids) == 80

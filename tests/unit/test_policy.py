@@ -1,0 +1,142 @@
+"""The draft-length policy against answers known by construction: brute force over every choice
+of k, closed-form optima, and simulated requests whose true acceptance is known."""
+
+import itertools
+import random
+
+import pytest
+
+from services.scheduler.policy import (Acceptance, Candidate, LatencyModel, LinearFit, StepShape, evaluate,
+                                       expected_tokens, plan)
+
+
+def latency(verify=(30.0, 2.0, 2.0), draft=(2.0, 0.5, 0.5, 1.0)) -> LatencyModel:
+    return LatencyModel(verify_prior=verify, draft_prior=draft)
+
+
+def brute_force(cands, cost):
+    best, best_ratio = None, -1.0
+    for ks in itertools.product(*(range(min(c.min_k, c.max_k), c.max_k + 1) for c in cands)):
+        tok, ms = evaluate(cands, list(ks), cost)
+        if tok / ms > best_ratio + 1e-12:
+            best, best_ratio = list(ks), tok / ms
+    return best, best_ratio
+
+
+def test_expected_tokens_closed_form():
+    assert expected_tokens([0.5] * 4, 0) == 1.0
+    # 1 + a + a^2 + a^3 for a constant acceptance a
+    assert expected_tokens([0.5] * 4, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert expected_tokens([1.0, 0.0, 1.0], 3) == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_plan_matches_brute_force_on_random_batches(seed):
+    rng = random.Random(seed)
+    cost = latency(verify=(rng.uniform(5, 50), rng.uniform(0, 5), rng.uniform(0.1, 8)),
+                   draft=(rng.uniform(0, 5), rng.uniform(0, 2), rng.uniform(0, 3), rng.uniform(0, 6)))
+    cands = []
+    for i in range(rng.randint(1, 4)):
+        rates = [rng.uniform(0.0, 1.0) ** rng.choice([0.3, 1, 3]) for _ in range(5)]
+        cands.append(Candidate(f"r{i}", rates, max_k=rng.randint(0, 5), min_k=rng.choice([0, 0, 0, 1]),
+                               width=rng.choice([1, 1, 2, 3])))
+    got = plan(cands, cost)
+    want, want_ratio = brute_force(cands, cost)
+    assert got.tokens_per_s / 1e3 == pytest.approx(want_ratio, rel=1e-9), (got.k, want)
+
+
+def test_plain_decoding_when_drafting_never_pays():
+    # A draft token costs as much as a whole verify step: even alpha = 0.9 loses.
+    cost = latency(verify=(10.0, 0.0, 10.0), draft=(10.0, 0.0, 0.0, 0.0))
+    p = plan([Candidate("a", [0.9] * 4, max_k=4)], cost)
+    assert p.k == {"a": 0}
+    assert p.tokens_per_s == pytest.approx(p.plain_tokens_per_s)
+
+
+def test_deepest_draft_when_it_is_free_and_accepted():
+    cost = latency(verify=(30.0, 0.0, 0.01), draft=(0.0, 0.0, 0.0, 0.0))
+    p = plan([Candidate("a", [0.95] * 6, max_k=6), Candidate("b", [0.0] * 6, max_k=6)], cost)
+    assert p.k == {"a": 6, "b": 0}  # b's draft is never accepted: drafting it only costs
+
+
+def test_single_request_optimum_in_closed_form():
+    # Verify: 20 ms + 3 ms per node; no draft cost. For constant alpha the best k maximizes
+    # (1 - a^(k+1)) / (1 - a) / (20 + 3k); check against the formula over k.
+    cost = latency(verify=(20.0, 0.0, 3.0), draft=(0.0, 0.0, 0.0, 0.0))
+    for a in (0.2, 0.5, 0.7, 0.9):
+        want = max(range(9), key=lambda k: (1 - a ** (k + 1)) / (1 - a) / (20 + 3 * k))
+        assert plan([Candidate("a", [a] * 8, max_k=8)], cost).k["a"] == want
+
+
+def test_min_draft_length_is_honoured():
+    cost = latency(verify=(10.0, 0.0, 10.0))
+    p = plan([Candidate("a", [0.1] * 4, max_k=4, min_k=2)], cost)
+    assert p.k == {"a": 2}
+
+
+def test_linear_fit_recovers_a_latency_law():
+    rng = random.Random(0)
+    fit = LinearFit(prior=(1.0, 1.0, 1.0), decay=1.0)
+    for _ in range(200):
+        x = (1.0, float(rng.randint(1, 16)), float(rng.randint(0, 64)))
+        fit.observe(x, 25.0 + 4.0 * x[1] + 1.5 * x[2] + rng.gauss(0, 0.1))
+    assert fit.weights == pytest.approx([25.0, 4.0, 1.5], rel=0.02)
+
+
+def test_linear_fit_forgets_an_old_machine_speed():
+    fit = LinearFit(prior=(1.0, 1.0), decay=0.9)
+    for n in range(100):
+        fit.observe((1.0, float(n % 8)), 10.0 + 2.0 * (n % 8))
+    for n in range(100):
+        fit.observe((1.0, float(n % 8)), 20.0 + 4.0 * (n % 8))  # twice as slow now
+    assert fit.predict((1.0, 4.0)) == pytest.approx(36.0, rel=0.01)
+
+
+def test_linear_fit_keeps_weights_non_negative():
+    fit = LinearFit(prior=(0.0, 0.0, 0.0), decay=1.0)
+    for n in range(50):
+        fit.observe((1.0, float(n % 5), float(n % 7)), 30.0 - 0.5 * (n % 7))  # noise that would give < 0
+    assert all(w >= 0 for w in fit.weights)
+
+
+def test_acceptance_counts_only_judged_depths():
+    acc = Acceptance(max_depth=4, prior=[0.5] * 4, prior_weight=0.0, decay=1.0)
+    acc.observe(depth=4, accepted=1)  # depth 1 accepted, depth 2 rejected, 3 and 4 never judged
+    acc.observe(depth=4, accepted=4)
+    assert acc.judged == [2.0, 2.0, 1.0, 1.0]
+    assert acc.rates() == [1.0, 0.5, 1.0, 1.0]
+
+
+def test_acceptance_drifts_to_new_behaviour_and_back_to_prior():
+    acc = Acceptance(max_depth=2, prior=[0.5, 0.5], prior_weight=2.0, decay=0.9)
+    for _ in range(60):
+        acc.observe(depth=2, accepted=2)
+    assert acc.rates()[0] > 0.9
+    for _ in range(60):
+        acc.observe(depth=2, accepted=0)
+    assert acc.rates()[0] < 0.1
+    for _ in range(200):
+        acc.observe(depth=0, accepted=0)  # steps without drafting: what it knew fades to the prior
+    assert acc.rates()[0] == pytest.approx(0.5, abs=0.01)
+
+
+@pytest.mark.parametrize("alpha,want", [(0.05, 0), (0.6, None), (0.97, 8)])
+def test_simulated_request_converges_to_the_best_k(alpha, want):
+    """A request whose draft tokens are accepted independently with probability alpha, a known
+    latency law, and the policy learning alpha online from Bernoulli outcomes."""
+    rng = random.Random(1)
+    true_cost = latency(verify=(20.0, 0.0, 2.0), draft=(1.0, 0.0, 0.5, 0.5))
+    best = max(range(9), key=lambda k: expected_tokens([alpha] * 8, k)
+               / true_cost.step_ms(StepShape(1, int(k > 0), k, k)))
+    want = best if want is None else want
+    acc = Acceptance(max_depth=8, prior=[None] * 8)
+    chosen = []
+    for _ in range(400):
+        k = plan([Candidate("a", acc.rates(), max_k=8)], true_cost).k["a"]
+        accepted = 0
+        while accepted < k and rng.random() < alpha:
+            accepted += 1
+        acc.observe(k, accepted)
+        chosen.append(k)
+    tail = chosen[-100:]
+    assert max(set(tail), key=tail.count) == want
