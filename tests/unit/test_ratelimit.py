@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import subprocess
-import time
 import uuid
 
 import grpc
@@ -19,31 +17,10 @@ from services.gateway.app import create_app
 from services.gateway.auth import ApiKeys, Authenticator
 from services.gateway.errors import ApiError
 from services.gateway.ratelimit import GCRA_SHA, Rate, RateLimiter
-from tests.integration.conftest import redis_server_binary
-from tests.integration.stack import free_port
 from tests.unit.test_gateway_http import KEY, make_gateway
 from tests.unit.test_gateway_scheduler_client import running_fake
 
 DEAD_REDIS = "redis://127.0.0.1:1/0"  # nothing listens on port 1
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory):
-    port = free_port()
-    proc = subprocess.Popen([redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", str(tmp_path_factory.mktemp("redis"))],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
-    client = redis.Redis.from_url(url)
-    for _ in range(200):
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    yield url
-    proc.terminate()
-    proc.wait(10)
 
 
 def subject() -> str:
