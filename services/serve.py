@@ -93,7 +93,8 @@ async def serve_scheduler(args) -> None:
     loop = SchedulerLoop(tokenizer, tuple(sorted(eos)), info.max_positions, drafts, verifiers, telemetry,
                          draft_length=args.draft_length, max_draft_length=int(args.max_draft_length),
                          tree_size=tree_size, max_batch=int(args.max_batch), controller=controller,
-                         metrics=metrics)
+                         metrics=metrics, kv_budget_tokens=int(args.kv_budget_tokens),
+                         max_waiting=int(args.max_waiting), vocab_size=info.vocab_size)
     metrics.watch_queue(lambda: len(loop.waiting), lambda: len(loop.running))
     metrics.registry.serve(args.host, int(args.metrics_port))
     if loop.controller is not None:

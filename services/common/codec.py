@@ -29,12 +29,18 @@ def params_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
 def tree_to_pb(tree: DraftTree) -> common_pb2.DraftTree:
     return common_pb2.DraftTree(
         tokens=tree.tokens, parents=tree.parents,
-        q=[common_pb2.QDistribution(ids=ids, probs=probs) for ids, probs in zip(tree.q_ids, tree.q_probs)])
+        q=[common_pb2.QDistribution(ids=ids, probs=probs) for ids, probs in zip(tree.q_ids, tree.q_probs)],
+        confidence=tree.confidence)
 
 
-def tree_from_pb(msg: common_pb2.DraftTree) -> DraftTree:
+def tree_from_pb(msg: common_pb2.DraftTree, max_nodes: int | None = None) -> DraftTree:
+    """The tree of a message; with `max_nodes`, ValueError for a larger one (before copying it:
+    the verifier's attention mask is [nodes, nodes])."""
+    n = max(len(msg.tokens), len(msg.parents), len(msg.q))
+    if max_nodes is not None and n > max_nodes:
+        raise ValueError(f"draft tree has {n} nodes, more than {max_nodes}")
     return DraftTree(list(msg.tokens), list(msg.parents), [list(q.ids) for q in msg.q],
-                     [list(q.probs) for q in msg.q])
+                     [list(q.probs) for q in msg.q], list(msg.confidence))
 
 
 def verdict_to_pb(request_id: str, v: Verdict) -> verifier_pb2.Verdict:

@@ -22,7 +22,11 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.keepalive_time_ms", 20000), ("grpc.keepalive_timeout_ms", 10000),
-                   ("grpc.keepalive_permit_without_calls", 1)]
+                   ("grpc.keepalive_permit_without_calls", 1),
+                   # A restarted peer is found again within about a second: gRPC's default reconnect
+                   # backoff grows to 120 s, which would keep a replica that came back out of use.
+                   ("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reconnect_backoff_ms", 250),
+                   ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
 class GrpcServer:

@@ -107,12 +107,13 @@ class CallbackCounter:
 
 
 class GatewayMetrics:
-    """HTTP requests by route and status, auth failures, rate-limit rejections. The refusal
-    counts are read at scrape time from the objects that keep them (see `CallbackCounter`)."""
+    """HTTP requests by route and status, auth failures, rate-limit rejections, overload refusals.
+    The refusal counts are read at scrape time from the objects that keep them (see `CallbackCounter`)."""
 
     def __init__(self, registry: Registry, auth_failures: Callable[[], Mapping[str, float]] | None = None,
                  rate_limit_rejections: Callable[[], Mapping[str, float]] | None = None,
-                 rate_limit_unchecked: Callable[[], float] | None = None):
+                 rate_limit_unchecked: Callable[[], float] | None = None,
+                 rejections: Callable[[], Mapping[str, float]] | None = None):
         r = registry.registry
         self.registry = registry
         self.http_requests = Counter("specserve:http_requests", "HTTP requests answered, by route and status",
@@ -129,6 +130,10 @@ class GatewayMetrics:
         CallbackCounter(registry, "specserve:rate_limit_unchecked",
                         "Requests let through unchecked (or refused, if configured closed) because Redis "
                         "was unreachable", rate_limit_unchecked)
+        CallbackCounter(registry, "specserve:requests_rejected",
+                        "Requests refused for overload (HTTP 429/503 with Retry-After), by reason: "
+                        "gateway_overloaded (--max-concurrent-requests), scheduler_overloaded, "
+                        "scheduler_unavailable", rejections or dict, label="reason")
 
     def record_http(self, route: str, status: int, seconds: float) -> None:
         self.http_requests.labels(route, str(status)).inc()
@@ -170,6 +175,16 @@ class SchedulerMetrics:
                              buckets=E2E_BUCKETS, registry=r)
         self.waiting = Gauge("specserve:num_requests_waiting", "Requests queued for a batch slot", registry=r)
         self.running = Gauge("specserve:num_requests_running", "Requests in the running batch", registry=r)
+        # Admission (services/scheduler/admission.py): KV reservations and refusals.
+        self.kv_reserved = Gauge("specserve:kv_cache_reserved_tokens",
+                                 "KV tokens reserved by running requests (prompt + max_tokens + one tree each)",
+                                 registry=r)
+        self.kv_budget = Gauge("specserve:kv_cache_budget_tokens",
+                               "KV tokens the running requests may reserve in all (--kv-budget-tokens)", registry=r)
+        self._rejections: Callable[[], Mapping[str, float]] = dict
+        CallbackCounter(registry, "specserve:requests_rejected",
+                        "Requests refused, by reason: queue_full (429 with Retry-After), exceeds_kv_budget (400), "
+                        "shutting_down (503)", lambda: self._rejections(), label="reason")
         self._per_pos: list = []  # accepted_per_pos children by position (labels() lookups are slow)
         # The adaptive draft length: what it chose, and how its predictions held.
         self.chosen_k = Histogram("specserve:draft_length_chosen", "Draft length k chosen per request and step",
@@ -188,13 +203,27 @@ class SchedulerMetrics:
         CallbackCounter(registry, "specserve:adaptive_observed_tokens",
                         "Output tokens those steps actually committed",
                         lambda: self._controller_totals.get("observed", lambda: 0.0)())
+        CallbackCounter(registry, "specserve:adaptive_proposed_nodes",
+                        "Draft tree nodes proposed for adaptive requests",
+                        lambda: self._controller_totals.get("proposed", lambda: 0.0)())
+        CallbackCounter(registry, "specserve:adaptive_verified_nodes",
+                        "Those nodes kept for verification after trimming by confidence",
+                        lambda: self._controller_totals.get("kept", lambda: 0.0)())
 
     def watch_controller(self, controller) -> None:
         """Export a DraftController's plan and prediction totals (read at scrape time)."""
         self._controller_totals = {"predicted": lambda: controller.predicted_tokens,
-                                   "observed": lambda: controller.observed_tokens}
+                                   "observed": lambda: controller.observed_tokens,
+                                   "proposed": lambda: controller.proposed_nodes,
+                                   "kept": lambda: controller.kept_nodes}
         self.predicted_tps.set_function(lambda: controller.stats()["predicted_tokens_per_s"])
         self.plain_tps.set_function(lambda: controller.stats()["plain_tokens_per_s"])
+
+    def watch_admission(self, admission) -> None:
+        """Export an Admission's reserved tokens, budget and refusals (read at scrape time)."""
+        self.kv_reserved.set_function(lambda: admission.used)
+        self.kv_budget.set_function(lambda: admission.budget_tokens)
+        self._rejections = lambda: admission.rejections
 
     def record_choice(self, k: int, tree_size: int) -> None:
         self.chosen_k.observe(k)

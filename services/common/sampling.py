@@ -55,6 +55,12 @@ def make_generator(seed: int | None, stream: int) -> torch.Generator:
 def warp_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
     """logits [n, vocab] -> probs [n, vocab] float32 of the sampling distribution (temperature > 0)."""
     x = logits.float() / temperature
+    if not bool(torch.isfinite(x).all()):
+        # A temperature so small (below ~1e-37) that logits / T overflows: softmax would give NaN
+        # (inf - inf). Dividing after subtracting each row's max is the same distribution (the
+        # limit: the argmax, ties shared) without the overflow.
+        x = logits.float()
+        x = (x - x.amax(-1, keepdim=True)) / temperature
     vocab = x.shape[-1]
     if 0 < top_k < vocab:
         kth = torch.topk(x, top_k, dim=-1).values[..., -1:]  # [n, 1]

@@ -8,10 +8,14 @@ tokens. A chain is a tree with one child per node.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+MAX_TREE_NODES = 256  # draft nodes per request per step on the wire (the scheduler's cap)
+Q_SUM_TOLERANCE = 1e-3  # a node's q must sum to 1 within this (float32 rounding on the wire)
 
 
 @dataclass
@@ -21,6 +25,9 @@ class DraftTree:
     # q of node i: probs q_probs[i] on ids q_ids[i] (exact; mass outside the ids is zero).
     q_ids: list[list[int]] = field(default_factory=list)
     q_probs: list[list[float]] = field(default_factory=list)
+    # Optional, one per node: the proposer's confidence (from the context only) that the node is
+    # accepted, for the scheduler's trimming (services/scheduler/trim.py); never used to verify.
+    confidence: list[float] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -64,8 +71,24 @@ class DraftTree:
             if (p, tok) in seen:
                 raise ValueError(f"node {i}: duplicate sibling token {tok}")
             seen.add((p, tok))
-            if len(self.q_ids[i]) != len(self.q_probs[i]):
-                raise ValueError(f"node {i}: q ids and probs differ in length")
+            _validate_q(i, self.q_ids[i], self.q_probs[i], vocab_size)
+
+
+def _validate_q(node: int, ids: list[int], probs: list[float], vocab_size: int) -> None:
+    """A node's q: distinct ids inside the vocabulary, finite probabilities in [0, 1] summing to
+    1 (the verifier indexes its distributions with the ids and divides by the probabilities)."""
+    if len(ids) != len(probs):
+        raise ValueError(f"node {node}: q ids and probs differ in length")
+    if not ids:
+        raise ValueError(f"node {node}: q is empty")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"node {node}: q ids repeat")
+    if not all(0 <= t < vocab_size for t in ids):
+        raise ValueError(f"node {node}: q ids outside the vocabulary")
+    if not all(math.isfinite(p) and 0.0 <= p <= 1.0 for p in probs):
+        raise ValueError(f"node {node}: q probabilities must be finite and in [0, 1]")
+    if abs(math.fsum(probs) - 1.0) > Q_SUM_TOLERANCE:
+        raise ValueError(f"node {node}: q probabilities sum to {math.fsum(probs):g}, not 1")
 
 
 def forest_parents(n_pending: int, tree: DraftTree) -> list[int]:

@@ -1,6 +1,12 @@
 """What the draft and verifier servicers share: the per-request token ledger and random streams,
 one model thread, the long-lived step stream from each scheduler, and the worker's metrics and
-per-request trace spans (opened from an item's `traceparent`, ended on release)."""
+per-request trace spans (opened from an item's `traceparent`, ended on release).
+
+Bad input on a step stream (unknown shapes, token ids outside the vocabulary, duplicate request
+ids in one step, trees that break their invariants) raises ValueError in the step function, which
+the stream answers with INVALID_ARGUMENT; anything else that escapes a step is logged and answered
+with INTERNAL; bytes that do not parse as a step message (invalid UTF-8 in a string field) with
+INVALID_ARGUMENT too. Either way the stream ends and the requests it carried are freed."""
 
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import torch
+from google.protobuf.message import DecodeError
 
 from services.common.ledger import TokenLedger
 from services.common.metrics import Registry, WorkerMetrics
@@ -28,7 +35,7 @@ class StepWorker:
                  metrics: WorkerMetrics | None = None):
         self.info = info
         self.random_stream = random_stream  # 0: draft, 1: verifier (as in the in-process engine)
-        self.ledger = TokenLedger()
+        self.ledger = TokenLedger(info.vocab_size, info.max_positions)
         self.generators: dict[str, torch.Generator] = {}
         self._release_state = release_state
         self._cache_bytes = cache_bytes
@@ -78,20 +85,32 @@ class StepWorker:
         seen: set[str] = set()
         try:
             async for step in request_iterator:
-                seen.update(item.request_id for item in step.items)
-                seen.difference_update(step.release)
+                items = {item.request_id for item in step.items}
+                seen.update(items)
                 try:
-                    result = await loop.run_in_executor(self.executor, step_fn, step)
-                except ValueError as e:
+                    result = await loop.run_in_executor(self.executor, _checked_step, step_fn, step)
+                except ValueError as e:  # the stream ends: `seen` (this step's releases too) is freed
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                except Exception:
+                    log.exception("%s step %d failed", self.info.role, step.step_id)
+                    await context.abort(grpc.StatusCode.INTERNAL, f"{self.info.role} step failed")
+                # The step freed its releases before it ran its items: an id in both stays held.
+                seen.difference_update(set(step.release) - items)
                 yield result
+        except DecodeError as e:  # raised by the request iterator: bytes that are no step message
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"a step message does not parse: {e}")
         finally:
             if seen:
+                # Queued on the model thread, after any step still running, and not awaited: an
+                # awaited job could itself be cancelled (the handler may be cancelled again while
+                # it waits), and a cancelled job that has not started never frees anything.
                 log.info("scheduler stream closed: freeing %d requests", len(seen))
-            for rid in seen:
-                await loop.run_in_executor(self.executor, self.release, rid)
-            if seen:
-                await loop.run_in_executor(self.executor, self.record_state)
+                self.executor.submit(self._release_all, sorted(seen))
+
+    def _release_all(self, req_ids: list[str]) -> None:
+        for rid in req_ids:
+            self.release(rid)
+        self.record_state()
 
     def record_state(self) -> None:
         """Update the state gauges (on the model thread, which owns the caches)."""
@@ -100,3 +119,18 @@ class StepWorker:
     def state(self) -> common_pb2.StateResponse:
         return common_pb2.StateResponse(request_ids=self.ledger.ids(), steps=self.steps,
                                         max_batch_seen=self.max_batch, kv_cache_bytes=self._cache_bytes())
+
+
+def check_step(step) -> None:
+    """Raise ValueError when a step message (ProposeStep or VerifyStep) names a request twice:
+    its items would share one cache and ledger entry within one forward."""
+    seen: set[str] = set()
+    for item in step.items:
+        if item.request_id in seen:
+            raise ValueError(f"request id {item.request_id!r} appears more than once in step {step.step_id}")
+        seen.add(item.request_id)
+
+
+def _checked_step(step_fn, step):
+    check_step(step)
+    return step_fn(step)

@@ -20,14 +20,14 @@ q is the softmax over them (zero elsewhere), mapped back to target ids. The qual
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from services.common.kv_cache import KVCache
 from services.common.llama import Chunk, LlamaModel
 from services.common.sampling import warp_probs
-from services.common.tree import DraftTree
+from services.common.tree import MAX_TREE_NODES, DraftTree
 from services.draft.proposer import ProposeItem, Proposer
 from services.draft.slim import SlimHead
 from services.draft.slim_guard import SlimGuard
@@ -172,6 +172,8 @@ class ModelProposer(Proposer):
         return [n for n, _ in new]
 
     def propose(self, items: list[ProposeItem]) -> list[DraftTree]:
+        # The node budget is capped as the scheduler caps it (it also sizes each request's cache).
+        items = [it if it.tree_size <= MAX_TREE_NODES else replace(it, tree_size=MAX_TREE_NODES) for it in items]
         trees = [DraftTree() for _ in items]
         use_slim = self.slim is not None and (self.guard is None or self.guard.use_slim())
         model = self.slim.model if use_slim else self.model  # same layers and caches; head differs

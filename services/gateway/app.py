@@ -6,6 +6,8 @@ Routes: POST /v1/completions, POST /v1/chat/completions (whole responses, or SSE
 Gateway's rate limits run once a request is validated). Every error, FastAPI's own 404/405 included, is returned in
 the OpenAI shape `{"error": {"message", "type", "param", "code"}}`.
 
+Generation routes run in one of the gateway's in-flight slots (`capped`, --max-concurrent-requests:
+503 with Retry-After when none is free), freed when the response is ready or its SSE stream ends.
 A client that disconnects cancels its scheduler call at once: while waiting for a whole response
 or for a stream's first event, the handler races the work against the `http.disconnect` message;
 once streaming, Starlette cancels the body iterator, whose exit cancels the call.
@@ -28,11 +30,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from services.common.metrics import CONTENT_TYPE, GatewayMetrics, HttpMetricsMiddleware, Registry
 from services.common.tracing import fastapi_telemetry
 from services.gateway import openai_api
-from services.gateway.core import Gateway, event_error, incomplete_stream
+from services.gateway.core import Gateway, Slot, event_error, incomplete_stream
 from services.gateway.errors import ApiError
 from services.gateway.http_auth import AuthMiddleware, principal_of
 from services.gateway.openai_api import SSE_DONE, SSE_HEADERS, SSE_MEDIA_TYPE, OpenAIFormatter, sse
 from services.gateway.scheduler_client import SchedulerStream
+from services.gateway.validation import check_json_depth, too_deep
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +44,8 @@ CLIENT_CLOSED = 499  # nginx's "client closed request"; never actually reaches t
 
 
 async def read_json(request: Request, limit: int) -> Any:
-    """The request body as JSON: 413 beyond `limit` bytes, 400 when it is not JSON."""
+    """The request body as JSON: 413 beyond `limit` bytes, 400 when it is not JSON or nests deeper
+    than MAX_JSON_DEPTH (json's own recursion limit, near 1000 levels, is caught on the way)."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"the request body is larger than {limit} bytes", code="body_too_large")
@@ -60,7 +64,9 @@ async def read_json(request: Request, limit: int) -> Any:
     if not raw.strip():
         raise ApiError(400, "the request body is empty; expected a JSON object", code="invalid_json")
     try:
-        return json.loads(raw)
+        return check_json_depth(json.loads(raw))
+    except RecursionError:
+        raise too_deep() from None
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
 
@@ -94,17 +100,21 @@ async def _first_event(stream: SchedulerStream):
 
 
 class EventStreamResponse(StreamingResponse):
-    """An SSE response that cancels its scheduler call however the response ends."""
+    """An SSE response that cancels its scheduler call and frees its in-flight slot however the
+    response ends."""
 
-    def __init__(self, body: AsyncIterator[bytes], stream: SchedulerStream):
+    def __init__(self, body: AsyncIterator[bytes], stream: SchedulerStream, slot: Slot | None = None):
         super().__init__(body, media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS)
         self.stream = stream
+        self.slot = slot
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             self.stream.cancel()
+            if self.slot is not None:
+                self.slot.release()
 
 
 async def sse_body(first, stream: SchedulerStream, fmt: OpenAIFormatter) -> AsyncIterator[bytes]:
@@ -158,7 +168,8 @@ def gateway_metrics(gateway: Gateway) -> GatewayMetrics:
     """The gateway's metrics; auth and rate-limit refusals are read from the objects counting them."""
     return GatewayMetrics(Registry("gateway"), auth_failures=lambda: gateway.auth.failures,
                           rate_limit_rejections=lambda: gateway.limiter.rejections if gateway.limiter else {},
-                          rate_limit_unchecked=lambda: gateway.limiter.unchecked if gateway.limiter else 0)
+                          rate_limit_unchecked=lambda: gateway.limiter.unchecked if gateway.limiter else 0,
+                          rejections=lambda: gateway.rejections)
 
 
 def create_app(gateway: Gateway, metrics: GatewayMetrics | None = None) -> FastAPI:
@@ -175,6 +186,7 @@ def create_app(gateway: Gateway, metrics: GatewayMetrics | None = None) -> FastA
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError) -> JSONResponse:
+        gateway.count_refusal(e)
         return _error_response(e)
 
     @app.exception_handler(StarletteHTTPException)
@@ -199,8 +211,21 @@ def create_app(gateway: Gateway, metrics: GatewayMetrics | None = None) -> FastA
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return _error_response(ApiError(500, "internal server error", code="internal_error"))
 
+    async def capped(respond: Callable[[Slot], Awaitable[Response]]) -> Response:
+        """`respond` in one of the gateway's in-flight slots (503 when none is free); the slot is
+        freed when the response is ready, or an SSE response's stream ends."""
+        slot = gateway.inflight.slot().acquire()
+        try:
+            response = await respond(slot)
+        except BaseException:
+            slot.release()
+            raise
+        if not (isinstance(response, EventStreamResponse) and response.slot is slot):
+            slot.release()
+        return response
+
     async def generate(request: Request, parse: Callable[[Any], openai_api.ApiRequest],
-                       prefix: str) -> Response:
+                       prefix: str, slot: Slot) -> Response:
         req = parse(await read_json(request, limit))
         request_id = gateway.new_request_id(prefix)
         scheduler_request = await gateway.prepare(req, request_id, principal_of(request))
@@ -226,15 +251,15 @@ def create_app(gateway: Gateway, metrics: GatewayMetrics | None = None) -> FastA
             if first is DISCONNECTED:
                 return Response(status_code=CLIENT_CLOSED)
             raise incomplete_stream() if first is None else event_error(first)
-        return EventStreamResponse(sse_body(first, stream, fmt), stream)
+        return EventStreamResponse(sse_body(first, stream, fmt), stream, slot)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await generate(request, openai_api.parse_completion, "cmpl")
+        return await capped(lambda slot: generate(request, openai_api.parse_completion, "cmpl", slot))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await generate(request, openai_api.parse_chat, "chatcmpl")
+        return await capped(lambda slot: generate(request, openai_api.parse_chat, "chatcmpl", slot))
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -249,6 +274,9 @@ def create_app(gateway: Gateway, metrics: GatewayMetrics | None = None) -> FastA
 
     @app.post("/infer")
     async def infer(request: Request) -> Response:
+        return await capped(lambda slot: infer_once(request))
+
+    async def infer_once(request: Request) -> Response:
         req = openai_api.parse_infer(await read_json(request, limit))
         scheduler_request = await gateway.prepare(req, gateway.new_request_id("infer"), principal_of(request))
         started = time.perf_counter()

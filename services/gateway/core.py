@@ -4,13 +4,14 @@ It holds the served model's name, the target's tokenizer, the scheduler client, 
 `Authenticator` and the `RateLimiter`, and turns a validated `ApiRequest` into a scheduler
 `GenerateRequest` (text checks and deny patterns, tokenizing, the prompt-token limit, fitting
 max_tokens into the context, then the rate limits) and a scheduler event stream into a
-`Completion`.
+`Completion`. `InFlight` caps the generation requests in flight (--max-concurrent-requests).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +26,9 @@ from specserve.v1 import scheduler_pb2
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # what target "default" serves
 MAX_BODY_BYTES = 2 * 1024 * 1024  # --max-request-bytes
+MAX_CONCURRENT_REQUESTS = 256  # --max-concurrent-requests
+# ApiError codes counted as overload refusals (specserve:requests_rejected_total{reason}).
+OVERLOAD_CODES = ("gateway_overloaded", "scheduler_overloaded", "scheduler_unavailable")
 
 
 def served_model_name(target: str, override: str | None = None) -> str:
@@ -46,11 +50,12 @@ class GatewayConfig:
     max_body_bytes: int = MAX_BODY_BYTES  # request size limit (HTTP body, gRPC message): 413
     max_prompt_tokens: int | None = None  # None = only the context limits the prompt
     deny: DenyPatterns = field(default_factory=DenyPatterns)
+    max_concurrent_requests: int = MAX_CONCURRENT_REQUESTS  # generation requests in flight: 503 beyond
 
 
 def input_limits(args) -> dict:
     """GatewayConfig's input limits from the gateway options (--max-request-bytes,
-    --max-prompt-tokens, --deny-patterns)."""
+    --max-prompt-tokens, --deny-patterns, --max-concurrent-requests)."""
     def positive(name: str, flag: str) -> int | None:
         value = getattr(args, name, None)
         if value in (None, ""):
@@ -65,7 +70,9 @@ def input_limits(args) -> dict:
 
     return {"max_body_bytes": positive("max_request_bytes", "--max-request-bytes") or MAX_BODY_BYTES,
             "max_prompt_tokens": positive("max_prompt_tokens", "--max-prompt-tokens"),
-            "deny": DenyPatterns.from_setting(getattr(args, "deny_patterns", None))}
+            "deny": DenyPatterns.from_setting(getattr(args, "deny_patterns", None)),
+            "max_concurrent_requests": positive("max_concurrent_requests", "--max-concurrent-requests")
+            or MAX_CONCURRENT_REQUESTS}
 
 
 @dataclass
@@ -88,6 +95,44 @@ def incomplete_stream() -> ApiError:
                     code="incomplete_stream")
 
 
+class Slot:
+    """One request's place among those in flight: `acquire` (503 when all are taken), then
+    `release` on every way out; releasing twice, or a slot never acquired, is a no-op."""
+
+    def __init__(self, owner: "InFlight"):
+        self._owner = owner
+        self.held = False
+
+    def acquire(self) -> "Slot":
+        owner = self._owner
+        if not self.held:
+            if owner.active >= owner.limit:
+                raise ApiError(503, f"this gateway is at capacity ({owner.limit} requests in flight); retry later",
+                               code="gateway_overloaded", retry_after=1.0)
+            owner.active += 1
+            self.held = True
+        return self
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self._owner.active -= 1
+
+
+class InFlight:
+    """The generation requests in flight at one gateway (HTTP and gRPC together), at most `limit`,
+    so that a flood of requests cannot grow the gateway's memory without bound."""
+
+    def __init__(self, limit: int):
+        if limit < 1:
+            raise ValueError(f"--max-concurrent-requests must be >= 1, got {limit}")
+        self.limit = limit
+        self.active = 0
+
+    def slot(self) -> Slot:
+        return Slot(self)
+
+
 class Gateway:
     def __init__(self, config: GatewayConfig, tokenizer: PromptTokenizer, scheduler: SchedulerClient,
                  auth: Authenticator | ApiKeys | None = None, limiter: RateLimiter | None = None):
@@ -97,6 +142,13 @@ class Gateway:
         self.auth = auth if isinstance(auth, Authenticator) else Authenticator(auth)
         self.limiter = limiter if limiter is not None and limiter.enabled else None
         self.created = int(time.time())
+        self.inflight = InFlight(config.max_concurrent_requests)
+        self.rejections: Counter[str] = Counter()  # overload refusals by reason (OVERLOAD_CODES)
+
+    def count_refusal(self, e: ApiError) -> None:
+        """Count `e` if it refuses a request for overload (specserve:requests_rejected_total)."""
+        if e.code in OVERLOAD_CODES:
+            self.rejections[e.code] += 1
 
     @property
     def model_name(self) -> str:
@@ -167,14 +219,15 @@ class Gateway:
                                      req.sampling.max_tokens_param)
         return out
 
-    def stream(self, request: scheduler_pb2.GenerateRequest) -> SchedulerStream:
-        return self.scheduler.stream(request)
+    def stream(self, request: scheduler_pb2.GenerateRequest, timeout: float | None = None) -> SchedulerStream:
+        return self.scheduler.stream(request, timeout)
 
-    async def collect(self, request: scheduler_pb2.GenerateRequest) -> Completion:
-        """Run a request to the end; cancelled (also on the scheduler) if this task is."""
+    async def collect(self, request: scheduler_pb2.GenerateRequest, timeout: float | None = None) -> Completion:
+        """Run a request to the end (within `timeout` seconds when given); cancelled (also on the
+        scheduler) if this task is."""
         text: list[str] = []
         ids: list[int] = []
-        async with self.scheduler.stream(request) as events:
+        async with self.scheduler.stream(request, timeout) as events:
             async for event in events:
                 text.append(event.text)
                 ids.extend(event.token_ids)

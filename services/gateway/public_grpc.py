@@ -5,7 +5,10 @@ The servicer only translates: a `TextRequest` becomes the same `ApiRequest` the 
 metadata and the peer's address; same rate limits), the scheduler's events become `TextChunk`s,
 and an `ApiError` becomes a gRPC status (401 UNAUTHENTICATED, 403 PERMISSION_DENIED, 400/413
 INVALID_ARGUMENT, 404 NOT_FOUND, 429 RESOURCE_EXHAUSTED with `retry-after` trailing metadata,
-503 UNAVAILABLE). A client that cancels its call cancels the scheduler call with it.
+503 UNAVAILABLE, also with `retry-after` when overloaded). Each call holds one of the gateway's
+in-flight slots (--max-concurrent-requests) until it ends. A client that cancels its call
+cancels the scheduler call with it; a client's deadline becomes the scheduler call's deadline
+(DEADLINE_EXCEEDED when it passes).
 """
 
 from __future__ import annotations
@@ -94,23 +97,29 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
     async def Generate(self, request: gateway_pb2.TextRequest,
                        context: grpc.aio.ServicerContext) -> gateway_pb2.TextResponse:
         self._enter()
+        slot = self.gateway.inflight.slot()
         try:
+            slot.acquire()
             scheduler_request = await self._prepare(request, context)
-            done = await self.gateway.collect(scheduler_request)
+            done = await self.gateway.collect(scheduler_request, context.time_remaining())
             return gateway_pb2.TextResponse(id=scheduler_request.request_id, text=done.text,
                                             token_ids=done.token_ids, finish_reason=done.finish_reason,
                                             usage=done.usage)
         except ApiError as e:
+            self.gateway.count_refusal(e)
             await context.abort(e.grpc_code, e.grpc_message, e.grpc_metadata())
         finally:
+            slot.release()
             self._leave()
 
     async def GenerateStream(self, request: gateway_pb2.TextRequest, context: grpc.aio.ServicerContext):
         self._enter()
+        slot = self.gateway.inflight.slot()
         try:
+            slot.acquire()
             scheduler_request = await self._prepare(request, context)
             rid = scheduler_request.request_id
-            async with self.gateway.stream(scheduler_request) as events:
+            async with self.gateway.stream(scheduler_request, context.time_remaining()) as events:
                 async for event in events:
                     if event.finish_reason == "error":
                         raise event_error(event)
@@ -124,8 +133,10 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
                         return
                 raise incomplete_stream()
         except ApiError as e:
+            self.gateway.count_refusal(e)
             await context.abort(e.grpc_code, e.grpc_message, e.grpc_metadata())
         finally:
+            slot.release()
             self._leave()
 
 

@@ -24,6 +24,8 @@ MAX_STOP = 4  # stop strings per request (OpenAI's limit)
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
 MAX_DRAFT_LENGTH = 64
 MAX_TREE_SIZE = 256  # the scheduler's limit on draft nodes per step
+MAX_JSON_DEPTH = 64  # nesting of arrays and objects in a request body (a chat body needs 4)
+INT32 = 2**31  # top_k travels as a protobuf int32
 INT64 = 2**63
 
 
@@ -34,6 +36,24 @@ def check_int(value: Any, param: str, lo: int | None = None, hi: int | None = No
     if (lo is not None and value < lo) or (hi is not None and value > hi):
         raise invalid(param, f"{param} must be {_range(lo, hi)}, got {value}")
     return value
+
+
+def check_json_depth(value: Any, limit: int = MAX_JSON_DEPTH) -> Any:
+    """`value` (decoded JSON) unless its arrays and objects nest deeper than `limit` (the body
+    itself is level 1): a 400. Iterative, and it visits containers only."""
+    stack = [(value, 1)] if isinstance(value, (dict, list)) else []
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            raise too_deep(limit)
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return value
+
+
+def too_deep(limit: int = MAX_JSON_DEPTH) -> ApiError:
+    return ApiError(400, f"the request body nests arrays and objects deeper than {limit} levels",
+                    code="json_too_deep")
 
 
 def check_number(value: Any, param: str, lo: float, hi: float, lo_open: bool = False) -> float:
@@ -164,7 +184,7 @@ def parse_sampling(body: Mapping[str, Any], *, default_temperature: float = 1.0,
             max_tokens, max_param = check_int(body[name], name, lo=1), name
             break
     get = body.get
-    top_k = 0 if get("top_k") is None else check_int(get("top_k"), "top_k", lo=-1)
+    top_k = 0 if get("top_k") is None else check_int(get("top_k"), "top_k", lo=-1, hi=INT32 - 1)
     return Sampling(
         max_tokens=max_tokens,
         temperature=(default_temperature if get("temperature") is None

@@ -2,8 +2,10 @@
 
 It keeps one `Acceptance` per request (seeded from the shared prior of the request's class), one
 `LatencyModel` for the step, re-plans with `policy.plan` at most every `adjust_interval_ms`
-(and whenever a request joins), learns from every step, and says what it decided in logs. Plain
-Python: the same object serves the gRPC scheduler and the in-process engine.
+(and whenever a request joins), learns from every step, and says what it decided in logs. Once
+the trees are proposed, `trim` keeps the nodes whose calibrated confidence pays for their
+verification (trim.py). Plain Python: the same object serves the gRPC scheduler and the
+in-process engine.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from services.common.tree import DraftTree
 from services.scheduler.policy import Acceptance, Candidate, LatencyModel, Plan, StepShape, expected_tokens, plan
+from services.scheduler.trim import NodeCalibration, RequestScale, trim, trimmable
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +70,11 @@ class DraftController:
         self.recent_accepted = 0.0
         self.predicted_tokens = 0.0  # expected output tokens of the steps observed so far
         self.observed_tokens = 0  # their actual output tokens
+        self.calibration = NodeCalibration()  # node confidence -> acceptance, for trimming
+        self.trimmed: dict[str, bool] = {}  # request -> its last tree could be trimmed
+        self.scales: dict[str, RequestScale] = {}  # request -> how its nodes fare vs the calibration
+        self.proposed_nodes = 0  # draft nodes proposed, and kept for verification after trimming
+        self.kept_nodes = 0
 
     # -- requests ------------------------------------------------------------------------------
     def add(self, req_id: str, request_class: str = "default") -> None:
@@ -74,7 +83,7 @@ class DraftController:
         self._planned_at = -math.inf  # a newcomer gets a plan at once
 
     def remove(self, req_id: str) -> None:
-        for d in (self.accept, self.classes, self.current):
+        for d in (self.accept, self.classes, self.current, self.trimmed, self.scales):
             d.pop(req_id, None)
 
     # -- choosing -------------------------------------------------------------------------------
@@ -89,7 +98,8 @@ class DraftController:
         if due or any(rid not in self.current for rid in caps):
             cfg = self.config
             cands = [Candidate(rid, self.accept[rid].rates(), max_k=min(cap, cfg.max_draft_length),
-                               min_k=cfg.min_draft_length, width=cfg.tree_width) for rid, cap in caps.items()]
+                               min_k=cfg.min_draft_length, width=cfg.tree_width, trimmed=self.trimmed.get(rid, False))
+                     for rid, cap in caps.items()]
             self.last_plan = plan(cands, self.latency)
             self.current.update(self.last_plan.k)
             self._planned_at = now
@@ -99,6 +109,37 @@ class DraftController:
             k = max(0, min(self.current.get(rid, 0), cap))
             out[rid] = Decision(k, k * self.config.tree_width)
         return out
+
+    def trim(self, rids: list[str], trees: list[DraftTree], greedy: list[bool], spent_ms: float, batch: int,
+             adaptive: list[bool] | None = None) -> tuple[list[DraftTree], list[list[float] | None]]:
+        """The step's proposed trees, those of adaptive requests (default: all) that may be
+        trimmed without bias (`trimmable`) cut to the nodes worth verifying (see trim.py); and
+        the confidences of the trimmed trees' nodes for `observe_nodes` (None for a tree left as
+        proposed). The planner then counts only drafting as the price of a trimmed request's depth."""
+        adaptive = adaptive or [True] * len(trees)
+        which = [i for i, (t, g, a) in enumerate(zip(trees, greedy, adaptive)) if a and len(t) and trimmable(t, g)]
+        for i, (rid, a) in enumerate(zip(rids, adaptive)):
+            if a and len(trees[i]) and rid in self.accept:
+                self.trimmed[rid] = i in which
+        chosen = set(which)
+        fixed = sum(len(t) for i, t in enumerate(trees) if i not in chosen)
+        scales = [self.scales[rids[i]].value if rids[i] in self.scales else 1.0 for i in which]
+        kept, confs = trim([trees[i] for i in which], self.calibration, self.latency, spent_ms, batch, fixed,
+                           min_depth=self.config.min_draft_length, scales=scales)
+        out, out_confs = list(trees), [None] * len(trees)
+        for i, tree, conf in zip(which, kept, confs):
+            out[i], out_confs[i] = tree, conf
+            if not len(tree) and rids[i] in self.scales:  # nothing verified: drift back toward 1
+                self.scales[rids[i]].observe(0.0, 0)
+        self.proposed_nodes += sum(len(t) for t in trees)
+        self.kept_nodes += sum(len(t) for t in out)
+        return out, out_confs
+
+    def observe_nodes(self, rid: str, tree: DraftTree, confidence: list[float], accepted_nodes: list[int]) -> None:
+        """Learn node acceptance by confidence from one request's verified (trimmed) tree."""
+        expected, passed = self.calibration.observe(tree, confidence, accepted_nodes)
+        if rid in self.accept:
+            self.scales.setdefault(rid, RequestScale()).observe(expected, passed)
 
     # -- learning -------------------------------------------------------------------------------
     def observe(self, shape: StepShape, draft_ms: float, verify_ms: float,
@@ -147,4 +188,6 @@ class DraftController:
             "plain_tokens_per_s": p.plain_tokens_per_s if p else 0.0,
             "predicted_tokens": self.predicted_tokens,
             "observed_tokens": self.observed_tokens,
+            "proposed_nodes": self.proposed_nodes,
+            "kept_nodes": self.kept_nodes,
         }

@@ -130,6 +130,11 @@ class Engine:
                 for r, (k, n) in zip(batch, budgets)])
         else:
             trees = [DraftTree() for _ in batch]
+        proposed = (sum(len(t) for t in trees), max((max(t.depths(), default=0) for t in trees), default=0))
+        confs = None
+        if self.controller is not None and proposed[0]:  # keep the nodes that pay
+            trees, confs = self.controller.trim([r.req_id for r in batch], trees, [r.params.greedy for r in batch],
+                                                (time.perf_counter() - t0) * 1e3, len(batch))
         t1 = time.perf_counter()
         verdicts = self.verifier.verify([
             VerifyItem(r.req_id, r.tokens, tree, r.params, r.verify_generator)
@@ -139,10 +144,13 @@ class Engine:
         out = []
         if self.controller is not None:
             depths = [max(t.depths(), default=0) for t in trees]
-            shape = StepShape(len(batch), sum(1 for k, _ in budgets if k), sum(len(t) for t in trees), max(depths))
+            shape = StepShape(len(batch), sum(1 for k, _ in budgets if k), proposed[0], proposed[1],
+                              verified=sum(len(t) for t in trees))
             self.controller.observe(shape, (t1 - t0) * 1e3, (t2 - t1) * 1e3, {
                 r.req_id: (d, len(v.accepted_nodes), len(v.tokens)) for r, d, v in zip(batch, depths, verdicts)})
-            for tree, d, v in zip(trees, depths, verdicts):
+            for i, (tree, d, v) in enumerate(zip(trees, depths, verdicts)):
+                if confs is not None and confs[i] is not None:
+                    self.controller.observe_nodes(batch[i].req_id, tree, confs[i], v.accepted_nodes)
                 if d:
                     self.telemetry.record(StepRecord("default", d, len(v.accepted_nodes), len(tree),
                                                      (t1 - t0) * 1e3, (t2 - t1) * 1e3))

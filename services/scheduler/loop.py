@@ -19,6 +19,7 @@ from services.common.metrics import Registry, SchedulerMetrics
 from services.common.sampling import SamplingParams
 from services.common.tracing import RequestSpans
 from services.common.tree import DraftTree
+from services.scheduler.admission import DEFAULT_KV_BUDGET_TOKENS, DEFAULT_MAX_WAITING, Admission, reservation
 from services.scheduler.request import Request
 from services.scheduler.controller import ControllerConfig, DraftController
 from services.scheduler.policy import StepShape
@@ -39,14 +40,18 @@ class Live:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     params_pb: object = None
     emitted_chars: int = 0
+    unavailable: bool = False  # failed for want of a worker replica (retryable elsewhere)
 
 
 class SchedulerLoop:
     def __init__(self, tokenizer, eos_token_ids: tuple[int, ...], max_positions: int, drafts: ReplicaSet,
                  verifiers: ReplicaSet, telemetry: Telemetry, draft_length: str = "adaptive",
                  max_draft_length: int = 4, tree_size: int | None = None, max_batch: int = 16,
-                 controller: ControllerConfig | None = None, metrics: SchedulerMetrics | None = None):
+                 controller: ControllerConfig | None = None, metrics: SchedulerMetrics | None = None,
+                 kv_budget_tokens: int = DEFAULT_KV_BUDGET_TOKENS, max_waiting: int = DEFAULT_MAX_WAITING,
+                 vocab_size: int | None = None):
         self.tokenizer, self.eos_token_ids, self.max_positions = tokenizer, eos_token_ids, max_positions
+        self.vocab_size = vocab_size  # prompt ids are checked against it (the workers would refuse the step)
         self.drafts, self.verifiers, self.telemetry = drafts, verifiers, telemetry
         self.adaptive = draft_length == "adaptive"
         self.draft_length = max_draft_length if self.adaptive else int(draft_length)
@@ -56,6 +61,7 @@ class SchedulerLoop:
             cfg = controller or ControllerConfig(max_draft_length=max_draft_length)
             cfg.tree_width = -(-tree_size // cfg.max_draft_length) if tree_size else 1
             self.controller = DraftController(cfg, priors=lambda cls: telemetry.priors(cls, cfg.max_draft_length))
+        self.admission = Admission(kv_budget_tokens, max_waiting, max_batch)  # mirrors waiting / running
         self.waiting: list[Live] = []
         self.running: list[Live] = []
         self.by_id: dict[str, Live] = {}
@@ -67,18 +73,28 @@ class SchedulerLoop:
         self.metrics = metrics or SchedulerMetrics(Registry("scheduler"))
         if self.controller is not None:
             self.metrics.watch_controller(self.controller)
+        self.metrics.watch_admission(self.admission)
         self.spans = RequestSpans("specserve.scheduler")  # the servicer opens each request's span
 
     # -- requests ---------------------------------------------------------------------------
     def submit(self, req_id: str, prompt_ids: list[int], params: SamplingParams,
                draft_length: int | None = None, tree_size: int | None = None,
                request_class: str = "default") -> Live:
-        """Queue a request; raises ValueError for bad input, RuntimeError when shutting down."""
+        """Queue a request; raises ValueError for bad input (also a request too large for the KV
+        budget), Overloaded when the queue is full, RuntimeError when shutting down."""
         if not self.accepting:
+            self.admission.rejections["shutting_down"] += 1
             raise RuntimeError("scheduler is shutting down")
         if req_id in self.by_id:
             raise ValueError(f"request id {req_id!r} is already running")
         params.validate()
+        if self.vocab_size:
+            bad = next((t for t in prompt_ids if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        for name, value in (("draft_length", draft_length), ("tree_size", tree_size)):
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
         total = len(prompt_ids) + params.max_tokens
         if total > self.max_positions:
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
@@ -88,6 +104,10 @@ class SchedulerLoop:
                       tree_size=tree_size if tree_size is not None else (self.tree_size or k))
         live = Live(req, fixed_k=draft_length if draft_length is not None else (None if self.adaptive else k),
                     request_class=request_class or "default", params_pb=codec.params_to_pb(params))
+        # The largest tree a step may give it: as asked, or what the controller may choose.
+        max_tree = req.tree_size if live.fixed_k is not None else self.draft_length * self.controller.config.tree_width
+        self.admission.enqueue(req_id, reservation(len(prompt_ids), params.max_tokens, min(max_tree, 256)),
+                               params.max_tokens)
         if live.fixed_k is None:
             self.controller.add(req_id, live.request_class)
         self.by_id[req_id] = live
@@ -105,6 +125,7 @@ class SchedulerLoop:
         """Forget a finished request everywhere: its replicas free it with the next message."""
         rid = live.req.req_id
         self.by_id.pop(rid, None)
+        self.admission.release(rid)
         if self.controller is not None:
             self.controller.remove(rid)
         for group in (self.waiting, self.running):
@@ -131,8 +152,9 @@ class SchedulerLoop:
                 mean_accepted_length=s["mean_accepted_length"], acceptance_rate=s["acceptance_rate"]))
         live.events.put_nowait(event)
 
-    def _fail(self, live: Live, message: str) -> None:
+    def _fail(self, live: Live, message: str, unavailable: bool = False) -> None:
         live.req.finish_reason = "error"
+        live.unavailable = unavailable
         self._emit(live, [], error=message)
         self._retire(live)
 
@@ -173,6 +195,18 @@ class SchedulerLoop:
                 self.metrics.record_choice(*out[rid])
         return out
 
+    def _trim(self, batch: list[Live], trees: dict[str, DraftTree], spent_s: float) -> dict[str, list[float]]:
+        """Cut the adaptive requests' trees to the nodes worth verifying (in place); their
+        nodes' confidences, to learn from once verified."""
+        lives = [lv for lv in batch if len(trees.get(lv.req.req_id, ()))]
+        if self.controller is None or not any(lv.fixed_k is None for lv in lives):
+            return {}
+        rids = [lv.req.req_id for lv in lives]
+        kept, confs = self.controller.trim(rids, [trees[r] for r in rids], [lv.req.params.greedy for lv in lives],
+                                           spent_s * 1e3, len(batch), [lv.fixed_k is None for lv in lives])
+        trees.update(zip(rids, kept))
+        return {rid: conf for rid, conf in zip(rids, confs) if conf is not None}
+
     async def _send_releases(self) -> None:
         pending, self.releases = self.releases, {}
         for rep, ids in pending.items():
@@ -203,7 +237,8 @@ class SchedulerLoop:
         return offset, tokens[offset:]
 
     async def step(self) -> None:
-        while self.waiting and len(self.running) < self.max_batch:
+        # First come, first served, within max_batch and the KV budget (services/scheduler/admission.py).
+        while self.waiting and self.admission.admit(self.waiting[0].req.req_id):
             self.running.append(self.waiting.pop(0))
         batch = list(self.running)
         self.max_batch_seen = max(self.max_batch_seen, len(batch))
@@ -239,13 +274,16 @@ class SchedulerLoop:
                 else:
                     rep.sent[lv.req.req_id] = len(lv.req.tokens)
                     trees[lv.req.req_id] = codec.tree_from_pb(prop.tree)
+        proposed = (sum(len(t) for t in trees.values()), max((max(t.depths(), default=0) for t in trees.values()),
+                                                             default=0))
+        confs = self._trim(batch, trees, time.perf_counter() - t0)
         t1 = time.perf_counter()
         # Verify.
         verify_groups: dict[Replica, list[Live]] = {}
         for lv in batch:
             rep = self.verifiers.assign(lv.req.req_id)
             if rep is None:
-                self._fail(lv, "no verifier replica is available")
+                self._fail(lv, "no verifier replica is available", unavailable=True)
                 continue
             verify_groups.setdefault(rep, []).append(lv)
 
@@ -263,6 +301,7 @@ class SchedulerLoop:
         t2 = time.perf_counter()
         self.steps += 1
         self.metrics.record_phases(t1 - t0, t2 - t1)
+        self.admission.record_step(t2 - t0)
         if log.isEnabledFor(logging.DEBUG):
             worker_ms = max((r.timing.compute_ms for r in results.values() if r is not None), default=0.0)
             log.debug("step %d: %d requests, draft %.1f ms (worker %.1f), verify %.1f ms (worker %.1f)",
@@ -280,6 +319,8 @@ class SchedulerLoop:
                 rep.sent[rid] = len(lv.req.tokens)
                 tree = trees.get(rid, DraftTree())
                 accepted = len(verdict.accepted_nodes)
+                if rid in confs:
+                    self.controller.observe_nodes(rid, tree, confs[rid], list(verdict.accepted_nodes))
                 committed = lv.req.commit(list(verdict.tokens), len(tree), accepted)
                 self.metrics.record_step(len(tree), accepted)
                 if rid in self.spans.spans:  # a traced request: its step span
@@ -297,8 +338,8 @@ class SchedulerLoop:
                 if lv.req.finished:
                     finished.append(lv)
         if self.controller is not None and outcomes:
-            shape = StepShape(len(batch), sum(len(v) for v in draft_groups.values()),
-                              sum(len(t) for t in trees.values()), max((o[0] for o in outcomes.values()), default=0))
+            shape = StepShape(len(batch), sum(len(v) for v in draft_groups.values()), proposed[0], proposed[1],
+                              verified=sum(len(t) for t in trees.values()))
             self.controller.observe(shape, (t1 - t0) * 1e3, (t2 - t1) * 1e3, outcomes)
         for lv in finished:
             self._retire(lv)

@@ -33,11 +33,12 @@ class StepShape:
 
     batch: int
     drafting: int
-    nodes: int
+    nodes: int  # proposed
     depth: int
+    verified: int | None = None  # nodes verified, when trimming kept fewer than were proposed
 
     def verify_features(self) -> tuple[float, ...]:
-        return (1.0, float(self.batch), float(self.nodes))
+        return (1.0, float(self.batch), float(self.nodes if self.verified is None else self.verified))
 
     def draft_features(self) -> tuple[float, ...]:
         return (1.0, float(self.drafting), float(self.nodes), float(self.depth))
@@ -185,6 +186,9 @@ class Candidate:
     max_k: int  # this request's cap (remaining tokens, the draft's context, max_draft_length)
     min_k: int = 0
     width: int = 1  # tree nodes per level (1 = a chain)
+    # Its tree is trimmed once proposed (trim.py): only nodes that pay for their verification are
+    # verified, so proposing deeper costs drafting only.
+    trimmed: bool = False
 
 
 @dataclass
@@ -201,9 +205,10 @@ class Plan:
 
 def _shape(cands: list[Candidate], ks: list[int], depth: int | None = None) -> StepShape:
     nodes = sum(k * c.width for c, k in zip(cands, ks))
+    verified = sum(k * c.width for c, k in zip(cands, ks) if not c.trimmed)
     drafting = sum(1 for k in ks if k)
     deepest = max(ks, default=0) if depth is None or not drafting else depth
-    return StepShape(len(cands), drafting, nodes, deepest)
+    return StepShape(len(cands), drafting, nodes, deepest, verified)
 
 
 def evaluate(cands: list[Candidate], ks: list[int], cost: LatencyModel,
@@ -218,9 +223,9 @@ def _choose(cands: list[Candidate], cap: int, lam: float, cost: LatencyModel) ->
     """Maximize sum_i E_i(k_i) - lam * T(k) over k_i <= cap, with the draft's depth term charged
     at the cap. Without the shared terms the problem separates by request."""
     vw, dw = cost.verify.weights, cost.draft.weights  # [1, batch, nodes], [1, drafting, nodes, depth]
-    per_node = vw[2] + dw[2]
 
     def value(c: Candidate, k: int) -> float:
+        per_node = dw[2] + (0.0 if c.trimmed else vw[2])
         return expected_tokens(c.rates, k) - lam * (per_node * k * c.width + (dw[1] if k else 0.0))
 
     ranges = [range(min(c.min_k, min(cap, c.max_k)), min(cap, c.max_k) + 1) for c in cands]

@@ -1,12 +1,18 @@
-"""SchedulerService: translates Generate calls into loop requests and loop events into a stream."""
+"""SchedulerService: translates Generate calls into loop requests and loop events into a stream.
+
+Refusals: bad input INVALID_ARGUMENT; a full queue RESOURCE_EXHAUSTED with `retry-after` trailing
+metadata (whole seconds); shutting down UNAVAILABLE with `retry-after: 1`."""
 
 from __future__ import annotations
+
+import math
 
 import grpc
 
 from services.common import codec
 from services.common.metrics import RequestTimer
 from services.common.tracing import extract_metadata
+from services.scheduler.admission import Overloaded
 from services.scheduler.loop import SchedulerLoop
 from specserve.v1 import common_pb2, scheduler_pb2_grpc
 
@@ -27,17 +33,25 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                 request_class=request.request_class or "default")
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except Overloaded as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e),
+                                (("retry-after", str(max(1, math.ceil(e.retry_after_s)))),))
         except RuntimeError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e), (("retry-after", "1"),))
         rid, spans = request.request_id, self.loop.spans
         spans.start(rid, "scheduler.request", parent, attributes={
             "specserve.prompt_tokens": len(request.prompt_ids), "specserve.max_tokens": request.params.max_tokens})
         timer = RequestTimer(self.loop.metrics, len(request.prompt_ids))
         try:
+            sent = False
             while True:
                 event = await live.events.get()
+                if live.unavailable and not sent:  # nothing streamed yet: the caller may retry elsewhere
+                    timer.event(0, "error")
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, event.error, (("retry-after", "1"),))
                 timer.event(len(event.token_ids), event.finish_reason)
                 yield event
+                sent = True
                 if event.finish_reason:
                     return
         finally:  # finished, or the client went away: free the request everywhere

@@ -51,6 +51,8 @@ class Replica:
         """Send one step message and wait for its result; raises WorkerDown when the stream breaks."""
         async with self.lock:
             try:
+                if self.call is not None and self.call.done():  # it ended while idle (the replica died)
+                    self.call = None
                 if self.call is None:
                     self.call = self.stub.Propose() if self.kind == "draft" else self.stub.Verify()
                     self.sent.clear()  # a new stream may reach a restarted replica: resend all
@@ -60,7 +62,7 @@ class Replica:
                     raise WorkerDown(f"{self.kind} {self.address} closed its stream")
                 self.down_since = None
                 return result
-            except (grpc.aio.AioRpcError, grpc.aio.UsageError, WorkerDown) as e:
+            except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError, WorkerDown) as e:
                 self.call = None
                 self.sent.clear()
                 self.down_since = time.monotonic()
@@ -76,7 +78,8 @@ class Replica:
 
 
 class ReplicaSet:
-    """Replicas of one kind; a request sticks to one, new requests go to the least loaded."""
+    """Replicas of one kind; a request sticks to one, new requests go to the least loaded (ties
+    taken in turn, so sequential requests spread too)."""
 
     def __init__(self, kind: str, addresses: list[str]):
         if not addresses:
@@ -84,6 +87,7 @@ class ReplicaSet:
         self.kind = kind
         self.replicas = [Replica(kind, a) for a in addresses]
         self.assignment: dict[str, Replica] = {}
+        self._turn = 0  # rotates the choice among equally loaded replicas
 
     def assign(self, req_id: str) -> Replica | None:
         rep = self.assignment.get(req_id)
@@ -95,7 +99,10 @@ class ReplicaSet:
         if not candidates:
             self.assignment.pop(req_id, None)
             return None
-        rep = min(candidates, key=lambda r: len(r.requests))
+        least = min(len(r.requests) for r in candidates)
+        tied = [r for r in candidates if len(r.requests) == least]
+        rep = tied[self._turn % len(tied)]
+        self._turn += 1
         rep.requests.add(req_id)
         rep.sent.pop(req_id, None)
         self.assignment[req_id] = rep

@@ -6,6 +6,7 @@ import time
 
 from services.common import codec
 from services.common.metrics import WorkerMetrics
+from services.common.tree import MAX_TREE_NODES
 from services.common.worker import StepWorker
 from services.verifier.verifier import Verifier, VerifyItem
 from specserve.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
@@ -28,7 +29,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             if tokens is None:
                 continue
             params = codec.params_from_pb(pb.params)
-            items.append(VerifyItem(pb.request_id, tokens, codec.tree_from_pb(pb.tree), params,
+            items.append(VerifyItem(pb.request_id, tokens, codec.tree_from_pb(pb.tree, MAX_TREE_NODES), params,
                                     self.worker.generator(pb.request_id, params)))
             slots.append(len(verdicts) - 1)
         if items:  # one target forward for every request of the step

@@ -93,3 +93,18 @@ def stack(tmp_path_factory, redis_url, home):
         yield RunningStack(st, http_url, gateway.addr, API_KEY, target, draft, engine)
     finally:
         st.stop_all()
+
+
+@pytest.fixture(scope="session")
+def topology(tmp_path_factory, home, tiny_target, tiny_draft):
+    """2 gateways, 2 schedulers, 2 drafts, 2 verifiers and a Redis of its own (see topology.py).
+    Fault tests kill parts of it; each starts with `topology.heal()`."""
+    from tests.conftest import redis_server_binary
+    from tests.integration.topology import start_topology
+
+    topo = start_topology(tmp_path_factory.mktemp("topology"), home, tiny_target, tiny_draft,
+                          redis_server_binary())
+    try:
+        yield topo
+    finally:
+        topo.stop()

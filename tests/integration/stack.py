@@ -1,5 +1,7 @@
 """Real service processes on loopback for integration tests: verifier, draft, scheduler, gateway
-as `python -m services.cli serve ROLE`, each on a free port, torn down with SIGTERM."""
+as `python -m services.cli serve ROLE`, each on a free port, torn down with SIGTERM. A service can
+be killed (SIGKILL) and restarted on the same port with the same arguments, as a container
+orchestrator would restart it."""
 
 from __future__ import annotations
 
@@ -40,6 +42,11 @@ class Service:
     port: int
     proc: subprocess.Popen
     log: Path
+    args: tuple[str, ...] = ()
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
 
     @property
     def addr(self) -> str:
@@ -58,14 +65,28 @@ class Stack:
     env: dict
     services: dict[str, list[Service]] = field(default_factory=dict)
 
-    def start(self, role: str, *args: str) -> Service:
-        port = free_port()
-        log = self.workdir / f"{role}-{port}.log"
-        cmd = [sys.executable, "-m", "services.cli", "serve", role, "--port", str(port), *args]
-        proc = subprocess.Popen(cmd, cwd=REPO, env=self.env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
-        svc = Service(role, port, proc, log)
+    def start(self, role: str, *args: str, port: int | None = None) -> Service:
+        port = port or free_port()
+        svc = Service(role, port, self._spawn(role, port, args), self.workdir / f"{role}-{port}.log", args)
         self.services.setdefault(role, []).append(svc)
         return svc
+
+    def _spawn(self, role: str, port: int, args: tuple[str, ...]) -> subprocess.Popen:
+        log = open(self.workdir / f"{role}-{port}.log", "a")  # a restart appends to the same log
+        cmd = [sys.executable, "-m", "services.cli", "serve", role, "--port", str(port), *args]
+        with log:
+            return subprocess.Popen(cmd, cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+
+    def kill(self, svc: Service) -> None:
+        """SIGKILL: no draining, no goodbye, as a crash or an OOM kill."""
+        if svc.alive:
+            svc.proc.kill()
+        svc.proc.wait()
+
+    def restart(self, svc: Service) -> None:
+        """Start a dead service again on its port with its arguments (wait_healthy for it)."""
+        assert not svc.alive, f"{svc.role} on {svc.port} is still running"
+        svc.proc = self._spawn(svc.role, svc.port, svc.args)
 
     def wait_healthy(self, svc: Service, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout

@@ -41,16 +41,19 @@ def test_adaptive_engine_equals_hf_greedy(models, kind, tree_size):
     assert not engine.controller.accept  # finished requests are forgotten
 
 
-def test_adaptive_engine_samples_the_target_distribution(tmp_path_factory, home):
-    """k changes from step to step (chosen from past outcomes only), and every step stays an
-    exact sample: the joint distribution of three tokens matches the target's (chi-square)."""
+@pytest.mark.parametrize("tree_size", [None, 6])
+def test_adaptive_engine_samples_the_target_distribution(tmp_path_factory, home, tree_size):
+    """k changes from step to step (chosen from past outcomes only) and trees are trimmed to
+    their confident nodes, and every step stays an exact sample: the joint distribution of three
+    tokens matches the target's (chi-square)."""
     root = tmp_path_factory.mktemp("adaptive-dist")
     target_dir = tiny.make_checkpoint(root / "target", vocab_size=dist.V, seed=21, init_std=0.2)
     close_dir = tiny.make_checkpoint(root / "close", vocab_size=dist.V, seed=22, noise_from=target_dir, noise_std=0.1)
     target, close = load_model(str(target_dir)), load_model(str(close_dir))
     params = SamplingParams(max_tokens=3, temperature=0.9, top_p=0.95, ignore_eos=True)
     engine = Engine(target, ModelProposer(close.model, dist.V),
-                    EngineConfig(draft_length="adaptive", min_draft_length=1, max_draft_length=3, max_batch=1000))
+                    EngineConfig(draft_length="adaptive", min_draft_length=1, max_draft_length=3, max_batch=1000,
+                                 tree_size=tree_size))
     reqs = [engine.add_request(dist.PROMPT, SamplingParams(**{**params.__dict__, "seed": s}))
             for s in range(dist.SAMPLES)]
     while engine.has_work():
@@ -60,6 +63,9 @@ def test_adaptive_engine_samples_the_target_distribution(tmp_path_factory, home)
         assert len(r.output_ids) == 3
         counts[tuple(r.output_ids)] += 1
     assert sum(r.stats.drafted for r in reqs) >= dist.SAMPLES  # it did speculate
+    # A draft model's sampled tokens are verified as proposed: trimming them by their own q
+    # would bias the output (services/scheduler/trim.py).
+    assert engine.controller.kept_nodes == engine.controller.proposed_nodes > 0
     dist.assert_matches(counts, dist.exact_distribution(tiny.hf_model(target_dir), params))
 
 
@@ -79,3 +85,31 @@ def test_adaptive_stops_drafting_a_draft_that_is_never_right(models):
     assert req.stats.accepted == 0
     assert 1 <= req.stats.drafted <= 12  # it did try, then mostly decoded plainly
     assert len(req.output_ids) == 80
+
+
+def test_trimmed_ngram_trees_sample_the_target_distribution(tmp_path_factory, home):
+    """The n-gram's point-mass proposals are trimmed by their confidence (a function of the
+    context), some nodes kept and some cut, and the output is still exactly the target's."""
+    root = tmp_path_factory.mktemp("trim-dist")
+    target_dir = tiny.make_checkpoint(root / "target", vocab_size=dist.V, seed=21, init_std=0.2)
+    target = load_model(str(target_dir))
+    params = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)
+    engine = Engine(target, NgramProposer(max_ngram=2),
+                    EngineConfig(draft_length="adaptive", min_draft_length=1, max_draft_length=2, tree_size=4,
+                                 max_batch=200))
+    # A verify cost per node that makes only some nodes pay (its large fixed part makes the real
+    # drafting time negligible, so the cut does not depend on this machine's speed).
+    engine._calibrated = True
+    engine.controller.latency = LatencyModel(verify_prior=(200.0, 0.0, 0.5), draft_prior=(0.0, 0.0, 0.0, 0.0))
+    engine.controller.latency.verify.observe = lambda *a: None  # hold the cost law fixed
+    reqs = [engine.add_request(dist.PROMPT, SamplingParams(**{**params.__dict__, "seed": s}))
+            for s in range(dist.SAMPLES)]
+    while engine.has_work():
+        engine.step()
+    counts = np.zeros((dist.V,) * 3)
+    for r in reqs:
+        counts[tuple(r.output_ids)] += 1
+    c = engine.controller
+    assert 0 < c.kept_nodes < c.proposed_nodes
+    assert 0 < sum(r.stats.accepted for r in reqs) < sum(r.stats.drafted for r in reqs)
+    dist.assert_matches(counts, dist.exact_distribution(tiny.hf_model(target_dir), params))

@@ -148,3 +148,21 @@ def test_cancelling_the_stream_cancels_the_scheduler_call():
     assert first.text == "t0 "
     assert fake.cancelled == [fake.requests[0].request_id] and fake.finished == []
     assert active == 0
+
+
+def test_the_client_deadline_becomes_the_scheduler_call_deadline():
+    async def go():
+        async with public_api(FakeScheduler(delay=0.05)) as (stub, fake, servicer):
+            call = stub.GenerateStream(text_request(max_tokens=40), metadata=AUTH, timeout=1.0)  # 2 s of events
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in call:
+                    pass
+            await asyncio.wait_for(fake.cancel_seen.wait(), 5)
+            quick = await stub.Generate(text_request(max_tokens=2), metadata=AUTH)  # no deadline: none passed on
+            return err.value.code(), fake, quick
+
+    code, fake, quick = asyncio.run(go())
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert fake.time_remaining[0] is not None and 0 < fake.time_remaining[0] <= 1.0
+    assert fake.cancelled == [fake.requests[0].request_id]
+    assert quick.finish_reason == "length" and fake.time_remaining[1] is None

@@ -34,6 +34,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.error_after: int | None = None
         self.no_final = False
         self.requests: list[scheduler_pb2.GenerateRequest] = []
+        self.time_remaining: list[float | None] = []  # each call's deadline as the scheduler saw it
         self.cancelled: list[str] = []
         self.finished: list[str] = []
         self.cancel_seen = asyncio.Event()
@@ -44,6 +45,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
 
     async def Generate(self, request, context):
         self.requests.append(request)
+        self.time_remaining.append(context.time_remaining())
         if self.abort is not None:
             await context.abort(self.abort, f"max_tokens is bad: scripted {self.abort.name}")
         n = request.params.max_tokens
@@ -157,6 +159,21 @@ def test_new_requests_alternate_between_live_replicas():
             return [r.request_id for r in a.requests], [r.request_id for r in b.requests]
 
     assert asyncio.run(go()) == (["r0", "r2"], ["r1", "r3"])
+
+
+def test_a_full_replica_passes_the_request_to_the_next():
+    async def go():
+        full = FakeScheduler()
+        full.abort = grpc.StatusCode.RESOURCE_EXHAUSTED
+        async with running_fake(full) as (_, addr_full), running_fake() as (ok, addr_ok):
+            client = SchedulerClient([addr_full, addr_ok])
+            events = await _events(client, request("r0", 2))
+            await client.close()
+            return full, ok, events
+
+    full, ok, events = asyncio.run(go())
+    assert events[-1].finish_reason == "length"
+    assert [r.request_id for r in full.requests] == ["r0"] and [r.request_id for r in ok.requests] == ["r0"]
 
 
 def test_all_replicas_unavailable_is_a_503():

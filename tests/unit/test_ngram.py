@@ -24,3 +24,14 @@ def test_chain_and_tree_shapes():
 
 def test_no_match_proposes_nothing():
     assert len(NgramProposer(min_ngram=2).tree([1, 2, 3, 4], 4, 4)) == 0
+
+
+def test_confidence_grows_with_agreeing_and_longer_matches():
+    p = NgramProposer(max_ngram=3, min_ngram=1)
+    once = p.tree([1, 2, 3, 4, 1, 2, 3], draft_length=1, tree_size=1)  # one 3-gram match (and shorter ones)
+    assert once.tokens == [4]
+    twice = p.tree([1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3], draft_length=1, tree_size=1)
+    assert twice.tokens == [4] and twice.confidence[0] > once.confidence[0]
+    split = p.tree([7, 5, 9, 7, 6, 9, 7], draft_length=1, tree_size=2)  # 7 was followed by 5 and by 6
+    assert sorted(split.tokens) == [5, 6] and max(split.confidence) <= 0.5
+    assert all(0 < c < 1 for c in once.confidence + twice.confidence + split.confidence)

@@ -45,6 +45,14 @@ def test_requests_stick_to_a_replica_and_spread_across_replicas():
         moved = rs.assign("c") if c is a else rs.assign("a")
         assert moved is not a
         await rs.close()
+        # One request at a time (each finished before the next) still visits every replica.
+        rs = ReplicaSet("draft", ["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"])
+        used = set()
+        for i in range(3):
+            used.add(rs.assign(f"seq-{i}"))
+            rs.forget(f"seq-{i}")
+        assert used == set(rs.replicas)
+        await rs.close()
 
     asyncio.run(scenario())
 

@@ -1,0 +1,203 @@
+"""Trimming proposed draft trees to the nodes worth verifying, batch-wide (plain Python, no torch).
+
+The planner (policy.py) decides before drafting how deep each request may draft, from average
+acceptance. Once the trees are back, each node says more: the proposer's confidence c in it (a
+draft model's q of the token; the n-gram proposer's share of matched continuations through it).
+As EAGLE-2's dynamic trees do, the step then verifies only the nodes whose expected gain pays
+for their verification cost:
+
+- `NodeCalibration` turns (depth, c) into alpha = P(node accepted | its parent accepted), counted
+  online per depth and confidence bin (decayed), starting from c itself; a request whose nodes
+  pass more or less often than the calibration expects scales it (its own observed / expected
+  ratio, `RequestScale`). A node's value is its path probability, the product of alpha along its
+  path: the expected tokens it adds.
+- Verifying costs the same per node (the latency model's weight on tree nodes), so the set of
+  nodes maximizing the step's expected tokens per millisecond,
+
+      (batch + sum of kept values) / (step ms so far + verify ms of the kept nodes),
+
+  is the best prefix of the nodes sorted by value. A node's value is first capped by its
+  parent's and its previous sibling's, so every prefix is a valid tree: a node's parent and its
+  earlier siblings come with it (what the verifier's sibling-by-sibling rejection sampling
+  needs). Dropping nodes never changes what a kept node's q is.
+
+Lossless only where the choice cannot depend on a random draw the verification then relies on:
+a sampling request's tree is trimmed only when every node is a point-mass proposal (the n-gram's,
+a function of the context); a draft model's sampled tokens are verified as proposed (choosing
+them by their own q would bias the output). Greedy requests are always trimmed: the target's
+argmax decides whatever subtree is verified. A proposer's `confidence` must likewise be a
+function of the context alone.
+"""
+
+from __future__ import annotations
+
+import math
+
+from services.common.tree import DraftTree
+from services.scheduler.policy import LatencyModel
+
+BINS = 10  # confidence bins over [0, 1]
+MAX_DEPTH = 8  # depths beyond share the last row
+
+
+def trimmable(tree: DraftTree, greedy: bool) -> bool:
+    """May this request's tree be trimmed by its nodes' confidence without bias? (see above)"""
+    return greedy or all(len(ids) == 1 for ids in tree.q_ids)
+
+
+def node_confidence(tree: DraftTree) -> list[float]:
+    """The proposer's confidence in each node: its `confidence` when it sent one, else q of the
+    node's token (the draft model's own probability)."""
+    conf = tree.confidence
+    if len(conf) == len(tree.tokens):
+        return [min(1.0, max(0.0, float(c))) if math.isfinite(c) else 0.0 for c in conf]
+    out = []
+    for tok, ids, probs in zip(tree.tokens, tree.q_ids, tree.q_probs):
+        out.append(next((float(p) for i, p in zip(ids, probs) if i == tok), 0.0))
+    return out
+
+
+class NodeCalibration:
+    """alpha(depth, confidence): counts per (depth, bin) over a prior worth `prior_weight`
+    observations at the bin's own confidence. Every observed tree decays all counts, so a bin that
+    is no longer verified (trimmed for looking bad) drifts back to its prior and gets re-tried."""
+
+    def __init__(self, prior_weight: float = 4.0, decay: float = 0.998):
+        self.prior_weight, self.decay = prior_weight, decay
+        self.judged = [[0.0] * BINS for _ in range(MAX_DEPTH)]
+        self.accepted = [[0.0] * BINS for _ in range(MAX_DEPTH)]
+
+    @staticmethod
+    def _cell(depth: int, conf: float) -> tuple[int, int]:
+        return min(max(depth, 1), MAX_DEPTH) - 1, min(int(conf * BINS), BINS - 1)
+
+    def rate(self, depth: int, conf: float) -> float:
+        d, b = self._cell(depth, conf)
+        prior = (b + 0.5) / BINS
+        return (self.accepted[d][b] + self.prior_weight * prior) / (self.judged[d][b] + self.prior_weight)
+
+    def observe(self, tree: DraftTree, conf: list[float], accepted_nodes: list[int]) -> tuple[float, int]:
+        """Learn from one verified tree: every node whose parent was accepted (or is the root)
+        was judged; the accepted ones passed. Returns (passes the calibration expected of the
+        judged nodes, passes seen)."""
+        accepted = set(accepted_nodes)
+        depths = tree.depths()
+        expected, passed = 0.0, 0
+        for table in (self.judged, self.accepted):
+            for row in table:
+                row[:] = [v * self.decay for v in row]
+        for i, parent in enumerate(tree.parents):
+            if parent >= 0 and parent not in accepted:
+                continue
+            expected += self.rate(depths[i], conf[i])
+            passed += i in accepted
+            d, b = self._cell(depths[i], conf[i])
+            self.judged[d][b] += 1.0
+            self.accepted[d][b] += 1.0 if i in accepted else 0.0
+        return expected, passed
+
+
+class RequestScale:
+    """How one request's nodes fare against the calibration: (passes + w) / (expected + w) over
+    its recent steps (decayed), so a request the shared calibration flatters is trimmed harder.
+    A step whose tree was trimmed away counts as (0, 0): the scale drifts back to 1 and the
+    request's nodes are tried again (an n-gram that failed on one passage may fit the next)."""
+
+    def __init__(self, weight: float = 2.0, decay: float = 0.9):
+        self.weight, self.decay = weight, decay
+        self.expected = self.passed = 0.0
+
+    def observe(self, expected: float, passed: int) -> None:
+        self.expected = self.expected * self.decay + expected
+        self.passed = self.passed * self.decay + passed
+
+    @property
+    def value(self) -> float:
+        return (self.passed + self.weight) / (self.expected + self.weight)
+
+
+def node_values(tree: DraftTree, conf: list[float], calib: NodeCalibration, scale: float = 1.0) -> list[float]:
+    """Each node's path probability (alpha scaled by the request's `scale`), capped by its
+    parent's and its previous sibling's value."""
+    values: list[float] = []
+    last_child: dict[int, int] = {}  # parent -> its latest child so far
+    depths = tree.depths()
+    for i, parent in enumerate(tree.parents):
+        v = min(1.0, calib.rate(depths[i], conf[i]) * scale) * (values[parent] if parent >= 0 else 1.0)
+        if parent >= 0:
+            v = min(v, values[parent])
+        if parent in last_child:
+            v = min(v, values[last_child[parent]])
+        last_child[parent] = i
+        values.append(v)
+    return values
+
+
+def subtree(tree: DraftTree, keep: list[int]) -> DraftTree:
+    """The tree of the nodes `keep` (closed under parents), in their original order."""
+    keep = sorted(keep)
+    index = {old: new for new, old in enumerate(keep)}
+    out = DraftTree()
+    for old in keep:
+        parent = tree.parents[old]
+        out.add(tree.tokens[old], index[parent] if parent >= 0 else -1, tree.q_ids[old], tree.q_probs[old])
+    if len(tree.confidence) == len(tree.tokens):
+        out.confidence = [tree.confidence[i] for i in keep]
+    return out
+
+
+def first_path(tree: DraftTree, depth: int) -> list[int]:
+    """The nodes of the tree's first chain (each level's first child), down to `depth`."""
+    path, node = [], -1
+    for i, parent in enumerate(tree.parents):
+        if len(path) >= depth:
+            break
+        if parent == node:
+            path.append(i)
+            node = i
+    return path
+
+
+def trim(trees: list[DraftTree], calib: NodeCalibration, latency: LatencyModel, spent_ms: float,
+         batch: int | None = None, fixed_nodes: int = 0, min_depth: int = 0, scales: list[float] | None = None
+         ) -> tuple[list[DraftTree], list[list[float]]]:
+    """Trim every request's tree so the step's expected tokens per ms is highest; `spent_ms` is
+    what the step cost before verification (drafting), `batch` the requests verified (default:
+    one per tree; requests without a tree still yield a token each), `fixed_nodes` the draft
+    nodes of the step's untrimmable trees, `min_depth` the depth of each tree's first chain that
+    is always kept (--min-draft-length), `scales` each request's `RequestScale`. Returns the
+    trees and their nodes' confidences (for `NodeCalibration.observe` once verified)."""
+    batch = len(trees) if batch is None else batch
+    scales = scales or [1.0] * len(trees)
+    confs = [node_confidence(t) for t in trees]
+    keep: list[list[int]] = [first_path(t, min_depth) for t in trees]
+    forced_nodes, forced_gain = sum(len(k) for k in keep), 0.0
+    ranked = []  # (value, request, node) of the nodes that may be cut
+    for r, (tree, conf) in enumerate(zip(trees, confs)):
+        forced = set(keep[r])
+        for i, v in enumerate(node_values(tree, conf, calib, scales[r])):
+            if i in forced:
+                forced_gain += v
+            else:
+                ranked.append((v, r, i))
+    ranked.sort(key=lambda x: (-x[0], x[1], x[2]))  # parents and earlier siblings first on ties
+    w_one, w_batch, w_node = latency.verify.weights
+    base_ms = spent_ms + w_one + w_batch * batch + w_node * (fixed_nodes + forced_nodes)
+    base_tokens = batch + forced_gain
+    best_n, best_ratio, gained = 0, base_tokens / max(base_ms, 1e-9), 0.0
+    for n, (v, _, _) in enumerate(ranked, start=1):
+        gained += v
+        ratio = (base_tokens + gained) / max(base_ms + w_node * n, 1e-9)
+        if ratio > best_ratio:
+            best_n, best_ratio = n, ratio
+    for _, r, i in ranked[:best_n]:
+        keep[r].append(i)
+    out_trees, out_confs = [], []
+    for tree, conf, nodes in zip(trees, confs, keep):
+        if len(nodes) == len(tree.tokens):
+            out_trees.append(tree)
+            out_confs.append(conf)
+        else:
+            out_trees.append(subtree(tree, nodes))
+            out_confs.append([conf[i] for i in sorted(nodes)])
+    return out_trees, out_confs
