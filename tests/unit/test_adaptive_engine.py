@@ -1,7 +1,6 @@
 """The adaptive draft length in the in-process engine: still lossless, and it stops drafting when
 drafting cannot pay."""
 
-import numpy as np
 import pytest
 import torch
 
@@ -54,14 +53,7 @@ def test_adaptive_engine_samples_the_target_distribution(tmp_path_factory, home,
     engine = Engine(target, ModelProposer(close.model, dist.V),
                     EngineConfig(draft_length="adaptive", min_draft_length=1, max_draft_length=3, max_batch=1000,
                                  tree_size=tree_size))
-    reqs = [engine.add_request(dist.PROMPT, SamplingParams(**{**params.__dict__, "seed": s}))
-            for s in range(dist.SAMPLES)]
-    while engine.has_work():
-        engine.step()
-    counts = np.zeros((dist.V,) * 3)
-    for r in reqs:
-        assert len(r.output_ids) == 3
-        counts[tuple(r.output_ids)] += 1
+    counts, reqs = dist.sample_joint(engine, params)
     assert sum(r.stats.drafted for r in reqs) >= dist.SAMPLES  # it did speculate
     # A draft model's sampled tokens are verified as proposed: trimming them by their own q
     # would bias the output (services/scheduler/trim.py).
@@ -102,13 +94,7 @@ def test_trimmed_ngram_trees_sample_the_target_distribution(tmp_path_factory, ho
     engine._calibrated = True
     engine.controller.latency = LatencyModel(verify_prior=(200.0, 0.0, 0.5), draft_prior=(0.0, 0.0, 0.0, 0.0))
     engine.controller.latency.verify.observe = lambda *a: None  # hold the cost law fixed
-    reqs = [engine.add_request(dist.PROMPT, SamplingParams(**{**params.__dict__, "seed": s}))
-            for s in range(dist.SAMPLES)]
-    while engine.has_work():
-        engine.step()
-    counts = np.zeros((dist.V,) * 3)
-    for r in reqs:
-        counts[tuple(r.output_ids)] += 1
+    counts, reqs = dist.sample_joint(engine, params)
     c = engine.controller
     assert 0 < c.kept_nodes < c.proposed_nodes
     assert 0 < sum(r.stats.accepted for r in reqs) < sum(r.stats.drafted for r in reqs)

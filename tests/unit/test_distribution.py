@@ -72,6 +72,11 @@ def run_engine(models, proposer_kind, k, tree_size, params) -> np.ndarray:
     target = models["target"]
     proposer = make_proposer(models, proposer_kind)
     engine = Engine(target, proposer, EngineConfig(draft_length=k, tree_size=tree_size, max_batch=1000))
+    return sample_joint(engine, params)
+
+
+def sample_joint(engine: Engine, params: SamplingParams) -> tuple[np.ndarray, list]:
+    """SAMPLES seeded requests of PROMPT for 3 tokens: the joint counts [V, V, V] and the requests."""
     reqs = [engine.add_request(PROMPT, SamplingParams(**{**params.__dict__, "seed": s}))
             for s in range(SAMPLES)]
     while engine.has_work():
