@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from services.common.kv_cache import KVCache
+from services.common.matmul import Matmul
 from services.common.model_config import ModelConfig
 from services.common.tree import ancestor_mask, forest_depths
 
@@ -38,26 +39,6 @@ class Chunk:
     tree_start: int | None = None
 
 
-def _onednn_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
-
-
-def pick_linear(device: torch.device, dtype: torch.dtype):
-    """The matmul for x @ w.T: on CPU in float32, oneDNN's linear reads dense weights about 1.7x
-    faster than F.linear at the few rows a decode or verify step has (measured on 2 cores: 8 rows
-    over the default model's weights in 36 ms vs 54 ms; see BENCHMARKS.md). F.linear elsewhere, or
-    when the oneDNN op is missing or disagrees with F.linear."""
-    if device.type != "cpu" or dtype != torch.float32 or not torch.backends.mkldnn.is_available():
-        return F.linear
-    try:
-        x, w, b = torch.randn(3, 64), torch.randn(96, 64), torch.randn(96)
-        if torch.allclose(_onednn_linear(x, w, b), F.linear(x, w, b), rtol=1e-4, atol=1e-4):
-            return _onednn_linear
-    except (AttributeError, RuntimeError):
-        pass
-    return F.linear
-
-
 def pick_tree_attention(device: torch.device, dtype: torch.dtype, head_dim: int):
     """The CuPy tree-attention kernel when the model runs on CUDA in fp16/bf16 with a head_dim
     it supports and CuPy imports; None otherwise (attention then runs per sequence with torch
@@ -75,7 +56,7 @@ class LlamaModel:
                  device: torch.device, dtype: torch.dtype):
         self.config = c = config
         self.device, self.dtype = device, dtype
-        self.linear = pick_linear(device, dtype)
+        self.matmul = Matmul(device, dtype)
         self.tree_attention = pick_tree_attention(device, dtype, config.head_dim)
 
         def w(name: str) -> torch.Tensor:
@@ -85,7 +66,7 @@ class LlamaModel:
             return w(name) if name in weights else None
 
         self.embed = w("model.embed_tokens.weight")  # [vocab, hidden]
-        self.lm_head = self.embed if c.tie_word_embeddings else w("lm_head.weight")
+        self.lm_head = self.matmul.weight(self.embed if c.tie_word_embeddings else w("lm_head.weight"))
         self.norm = w("model.norm.weight")
         self.layers = []
         for i in range(c.num_layers):
@@ -95,15 +76,16 @@ class LlamaModel:
             self.layers.append({
                 "ln1": w(p + "input_layernorm.weight"),
                 # [(heads + 2 * kv_heads) * head_dim, hidden]: one matmul for q, k and v
-                "wqkv": torch.cat([w(a + f"{x}_proj.weight") for x in "qkv"]),
+                "wqkv": self.matmul.weight(torch.cat([w(a + f"{x}_proj.weight") for x in "qkv"])),
                 "bqkv": torch.cat(qkv_b) if qkv_b[0] is not None else None,
                 "q_norm": opt(a + "q_norm.weight"),
                 "k_norm": opt(a + "k_norm.weight"),
-                "wo": w(a + "o_proj.weight"),  # [hidden, heads * head_dim]
+                "wo": self.matmul.weight(w(a + "o_proj.weight")),  # [hidden, heads * head_dim]
                 "ln2": w(p + "post_attention_layernorm.weight"),
                 # [2 * intermediate, hidden]: gate and up in one matmul
-                "wgu": torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
-                "wd": w(p + "mlp.down_proj.weight"),  # [hidden, intermediate]
+                "wgu": self.matmul.weight(
+                    torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])),
+                "wd": self.matmul.weight(w(p + "mlp.down_proj.weight")),  # [hidden, intermediate]
             })
         positions = torch.arange(c.max_positions, dtype=torch.float32)
         freqs = positions[:, None] * c.inv_freq[None, :].float()  # [max_positions, head_dim / 2]
@@ -189,7 +171,7 @@ class LlamaModel:
                                           dtype=torch.int32, device=self.device)
         for li, L in enumerate(self.layers):
             h = F.rms_norm(x, (c.hidden_size,), L["ln1"], c.rms_norm_eps)
-            qkv = self.linear(h, L["wqkv"], L["bqkv"])  # [N, hq + 2 hk]
+            qkv = self.matmul(h, L["wqkv"], L["bqkv"])  # [N, hq + 2 hk]
             v = qkv[:, hq + hk :].view(-1, c.num_kv_heads, d)
             if L["q_norm"] is None:  # rotate q and k together: [N, heads + kv_heads, head_dim]
                 qk = self._rope(qkv[:, : hq + hk].view(-1, c.num_heads + c.num_kv_heads, d), cos, sin)
@@ -199,13 +181,13 @@ class LlamaModel:
                 k = F.rms_norm(qkv[:, hq : hq + hk].view(-1, c.num_kv_heads, d), (d,), L["k_norm"], c.rms_norm_eps)
                 q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
             attn = self._attention(li, q, k, v, chunks, plans, kernel_parents)  # [N, heads, head_dim]
-            x = x + self.linear(attn.reshape(-1, hq), L["wo"])
+            x = x + self.matmul(attn.reshape(-1, hq), L["wo"])
             h = F.rms_norm(x, (c.hidden_size,), L["ln2"], c.rms_norm_eps)
-            gate, up = self.linear(h, L["wgu"]).chunk(2, dim=-1)
-            x = x + self.linear(F.silu(gate) * up, L["wd"])
+            gate, up = self.matmul(h, L["wgu"]).chunk(2, dim=-1)
+            x = x + self.matmul(F.silu(gate) * up, L["wd"])
         for ch, (_, n, start, _, _) in zip(chunks, plans):
             ch.cache.length = start + n
         rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
         h = F.rms_norm(x[rows], (c.hidden_size,), self.norm, c.rms_norm_eps)
-        logits = self.linear(h, self.lm_head).float()  # [rows, vocab]
+        logits = self.matmul(h, self.lm_head).float()  # [rows, vocab]
         return list(logits.split([len(ch.tokens) - ch.logits_from for ch in chunks]))

@@ -75,7 +75,8 @@ class SlimHead:
     def build(cls, model: LlamaModel, kept: torch.Tensor) -> "SlimHead":
         slim = copy.copy(model)  # shallow: layers, RoPE tables and caches stay shared
         # [kept, hidden]: the rows of the (possibly tied) head for the kept ids, contiguous
-        slim.lm_head = model.lm_head.index_select(0, kept.to(model.lm_head.device)).contiguous()
+        head = model.lm_head.dense
+        slim.lm_head = model.matmul.weight(head.index_select(0, kept.to(head.device)).contiguous())
         return cls(kept.to(model.device), slim)
 
 

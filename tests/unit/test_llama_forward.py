@@ -5,6 +5,7 @@ import torch
 
 from services.common.llama import Chunk
 from services.common.loading import load_model
+from services.common.matmul import SMALL_ROWS
 from services.common.tree import DraftTree, forest_parents
 from tests import tiny
 
@@ -28,6 +29,22 @@ def test_logits_match_transformers(tmp_path, home, model_type):
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
     assert rel_err(torch.cat([ours, ours2]), ref) < 1e-4
+
+
+@pytest.mark.parametrize("rows", [1, SMALL_ROWS, SMALL_ROWS + 1, 16])
+def test_both_matmul_routes_match_transformers(tmp_path, home, rows):
+    """Chunks of a few rows take F.linear, longer ones oneDNN's blocked weights: both agree with HF."""
+    path = tiny.make_checkpoint(tmp_path / "m", model_type="llama", seed=5)
+    lm, hf = load_model(str(path)), tiny.hf_model(path)
+    if torch.backends.mkldnn.is_available():
+        assert lm.model.lm_head.packed is not None  # the blocked route exists and is exercised
+    ids = torch.randint(3, 64, (32,), generator=torch.Generator().manual_seed(1)).tolist()
+    cache = lm.model.new_cache(64)
+    ours = [lm.model.forward([Chunk(cache, ids[i : i + rows], causal(len(ids[i : i + rows])), 0)])[0]
+            for i in range(0, len(ids), rows)]
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    assert rel_err(torch.cat(ours), ref) < 1e-4
 
 
 def test_default_model_matches_transformers(default_model):
