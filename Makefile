@@ -51,6 +51,7 @@ BENCH_REPEATS ?= 2
 BENCH_DRAFT_LENGTH ?= 4,adaptive
 BENCH_CONCURRENCY ?= 1,4,16
 BENCH_REQUESTS ?= 16
+BENCH_LOAD_REPEATS ?= 1
 BENCH_PORT_BASE ?= 51050
 BENCH_UPDATE ?= BENCHMARKS.md
 BENCH_DRAFT ?= ngram
@@ -79,7 +80,8 @@ bench-load:
 	done; \
 	$(BIN)/specserve bench load --url $$url \
 	  --questions $(BENCH_QUESTIONS) --limit 1 --concurrency $(BENCH_CONCURRENCY) \
-	  --requests $(BENCH_REQUESTS) --max-tokens $(BENCH_MAX_TOKENS) --out $(BENCH_OUT) --update $(BENCH_UPDATE)
+	  --requests $(BENCH_REQUESTS) --repeats $(BENCH_LOAD_REPEATS) --max-tokens $(BENCH_MAX_TOKENS) \
+	  --out $(BENCH_OUT) --update $(BENCH_UPDATE)
 
 # Everything GPU-side in one call (for the device machine: its system python has torch and cupy).
 gpu-check:

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 from services.common import codec
 from services.common.sampling import SamplingParams
 from services.common.tree import DraftTree
-from services.scheduler.policy import LatencyModel, StepShape
+from services.scheduler.policy import ROUTE_ROWS, LatencyModel, StepShape
 from specserve.v1 import draft_pb2, verifier_pb2
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,8 @@ def synthetic_chain(n: int, vocab_size: int) -> DraftTree:
 
 def tree_sizes(max_k: int, width: int) -> list[int]:
     top = max_k * width
-    return sorted(n for n in {0, 1, 2, top // 2, top} if n <= top)
+    # ROUTE_ROWS nodes + the pending token: the first forward past the route step
+    return sorted(n for n in {0, 1, 2, ROUTE_ROWS, top // 2, top} if n <= top)
 
 
 def _ms(t0: float) -> float:
@@ -83,8 +84,8 @@ async def calibrate_remote(latency: LatencyModel, verify: Callable[[object], Awa
             if rep and nodes:
                 latency.draft.observe(StepShape(1, 1, nodes, k).draft_features(), ms)
         await propose(draft_pb2.ProposeStep(release=[rid]))
-    log.info("warm-up: verify ms = %s . [1, batch, nodes]; draft ms = %s . [1, drafting, nodes, depth]",
-             [round(w, 2) for w in latency.verify.weights], [round(w, 2) for w in latency.draft.weights])
+    log.info("warm-up: verify ms = %s . [1, batch, nodes, rows > %d]; draft ms = %s . [1, drafting, nodes, depth]",
+             [round(w, 2) for w in latency.verify.weights], ROUTE_ROWS, [round(w, 2) for w in latency.draft.weights])
 
 
 def calibrate_local(latency: LatencyModel, verifier, proposer, vocab_size: int, max_k: int, width: int) -> None:

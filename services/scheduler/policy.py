@@ -3,8 +3,9 @@
 Three parts, each fitted from what the scheduler measures:
 
 - `LatencyModel`: one step's draft and verify latency as linear functions of the step's shape
-  (batch size, tree nodes, draft depth), fitted by exponentially weighted least squares that
-  starts from warm-up measurements and follows the telemetry of every step.
+  (batch size, tree nodes, draft depth, and whether the verify forward has more than
+  `ROUTE_ROWS` rows), fitted by exponentially weighted least squares that starts from warm-up
+  measurements and follows the telemetry of every step.
 - `Acceptance`: per-depth acceptance probabilities alpha_d = P(the depth-d draft token is
   accepted | the path reached depth d - 1) for one request, from its own decayed counts blended
   with a prior shared by every scheduler of the model pair and request class.
@@ -16,16 +17,25 @@ Three parts, each fitted from what the scheduler measures:
   where T is the predicted step latency. k = 0 (plain decoding) is always a candidate, so the
   policy speculates only where the prediction says it pays. The ratio is maximized exactly by
   Dinkelbach's method (for a fixed ratio lambda the problem separates by request) inside an
-  enumeration of the step's deepest draft (the one term that couples requests).
+  enumeration of the step's deepest draft (the term that couples requests), with the route
+  term charged; the few shapes small enough to skip it are enumerated on their own.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
 
 # -- latency -----------------------------------------------------------------------------------
+# A verify forward of more rows (requests + verified nodes) than this pays a step in cost on the
+# engine's CPU float32 matmul (services/common/matmul.py: SMALL_ROWS; a test keeps them equal):
+# up to it the weights stream at memory speed, above it a slower route starts (~26 -> ~38 ms
+# for the default model). Elsewhere the fitted weight of the step stays near 0.
+ROUTE_ROWS = 3
+
+
 @dataclass(frozen=True)
 class StepShape:
     """What a step costs is a function of: requests verified, requests drafting, draft nodes in
@@ -37,8 +47,16 @@ class StepShape:
     depth: int
     verified: int | None = None  # nodes verified, when trimming kept fewer than were proposed
 
+    # True: charge the route step whatever the rows (the planner's Dinkelbach search, see plan)
+    large: bool = False
+
+    @property
+    def verified_nodes(self) -> int:
+        return self.nodes if self.verified is None else self.verified
+
     def verify_features(self) -> tuple[float, ...]:
-        return (1.0, float(self.batch), float(self.nodes if self.verified is None else self.verified))
+        large = self.large or self.batch + self.verified_nodes > ROUTE_ROWS
+        return (1.0, float(self.batch), float(self.verified_nodes), 1.0 if large else 0.0)
 
     def draft_features(self) -> tuple[float, ...]:
         return (1.0, float(self.drafting), float(self.nodes), float(self.depth))
@@ -106,12 +124,16 @@ class LinearFit:
 
 
 class LatencyModel:
-    """Predicted step latency in ms: verify(batch, nodes) + draft(drafting, nodes, depth)."""
+    """Predicted step latency in ms: verify(batch, nodes, route step) + draft(drafting, nodes, depth).
+    `verify_prior` may leave out the route step's weight (then 0)."""
 
-    def __init__(self, verify_prior: tuple[float, ...] = (30.0, 2.0, 2.0),
+    def __init__(self, verify_prior: tuple[float, ...] = (30.0, 2.0, 2.0, 0.0),
                  draft_prior: tuple[float, ...] = (2.0, 0.5, 0.5, 1.0)):
-        self.verify = LinearFit(verify_prior)
+        self.verify = LinearFit(tuple(verify_prior) + (0.0,) * (4 - len(verify_prior)))
         self.draft = LinearFit(draft_prior)
+
+    def verify_ms(self, batch: int, nodes: int) -> float:
+        return self.verify.predict(StepShape(batch, 0, nodes, 0).verify_features())
 
     def observe(self, shape: StepShape, draft_ms: float, verify_ms: float) -> None:
         self.verify.observe(shape.verify_features(), verify_ms)
@@ -203,20 +225,21 @@ class Plan:
         return 1e3 * self.expected_tokens / self.step_ms
 
 
-def _shape(cands: list[Candidate], ks: list[int], depth: int | None = None) -> StepShape:
+def _shape(cands: list[Candidate], ks: list[int], depth: int | None = None, large: bool = False) -> StepShape:
     nodes = sum(k * c.width for c, k in zip(cands, ks))
     verified = sum(k * c.width for c, k in zip(cands, ks) if not c.trimmed)
     drafting = sum(1 for k in ks if k)
     deepest = max(ks, default=0) if depth is None or not drafting else depth
-    return StepShape(len(cands), drafting, nodes, deepest, verified)
+    return StepShape(len(cands), drafting, nodes, deepest, verified, large)
 
 
 def evaluate(cands: list[Candidate], ks: list[int], cost: LatencyModel,
-             depth: int | None = None) -> tuple[float, float]:
+             depth: int | None = None, large: bool = False) -> tuple[float, float]:
     """(expected output tokens, predicted step ms) of a choice of k per request (with the
-    draft's depth term charged at `depth` instead of the deepest k, when given)."""
+    draft's depth term charged at `depth` instead of the deepest k, when given, and the route
+    step charged whatever the rows when `large`)."""
     tokens = sum(expected_tokens(c.rates, k) for c, k in zip(cands, ks))
-    return tokens, cost.step_ms(_shape(cands, ks, depth))
+    return tokens, cost.step_ms(_shape(cands, ks, depth, large))
 
 
 def _choose(cands: list[Candidate], cap: int, lam: float, cost: LatencyModel) -> list[int]:
@@ -237,24 +260,42 @@ def _choose(cands: list[Candidate], cap: int, lam: float, cost: LatencyModel) ->
     return ks
 
 
+def _small_shapes(cands: list[Candidate]) -> list[list[int]]:
+    """Every choice of k whose verify forward stays within ROUTE_ROWS rows (none past a few requests)."""
+    room = ROUTE_ROWS - len(cands)
+    if room < 0:
+        return []
+    ranges = [range(min(c.min_k, c.max_k), min(c.max_k, room // c.width if not c.trimmed else c.max_k) + 1)
+              for c in cands]
+    return [list(ks) for ks in itertools.product(*ranges)
+            if sum(k * c.width for c, k in zip(cands, ks) if not c.trimmed) <= room]
+
+
 def plan(cands: list[Candidate], cost: LatencyModel) -> Plan:
     """The k per request maximizing expected batch tokens per second. Exact for the linear
-    latency model: for each cap on the deepest draft, Dinkelbach's iteration on the ratio (the
-    optimum's own depth is one of the caps, where the capped cost is the true cost)."""
+    latency model: for each cap on the deepest draft, Dinkelbach's iteration on the ratio with the
+    route step always charged (the optimum's own depth is one of the caps, where the capped cost
+    is the true cost), then every shape small enough to skip the route step, at its true cost. (A
+    shape with the step charged when it is not due only looks worse, so the best of both is the
+    true optimum.)"""
     if not cands:
         return Plan({}, 0.0, 0.0, 0.0)
     lowest = max(min(c.min_k, c.max_k) for c in cands)  # every request's own floor fits under it
     best, best_ratio = None, -1.0
     for cap in range(lowest, max(c.max_k for c in cands) + 1):
         ks = _choose(cands, cap, 0.0, cost)
-        tok, ms = evaluate(cands, ks, cost, depth=cap)
+        tok, ms = evaluate(cands, ks, cost, depth=cap, large=True)
         lam = tok / ms
         for _ in range(50):
             new = _choose(cands, cap, lam, cost)
-            tok, ms = evaluate(cands, new, cost, depth=cap)
+            tok, ms = evaluate(cands, new, cost, depth=cap, large=True)
             if tok / ms <= lam * (1 + 1e-12):
                 break
             ks, lam = new, tok / ms
+        tok, ms = evaluate(cands, ks, cost)
+        if tok / ms > best_ratio * (1 + 1e-12):
+            best, best_ratio = ks, tok / ms
+    for ks in _small_shapes(cands):
         tok, ms = evaluate(cands, ks, cost)
         if tok / ms > best_ratio * (1 + 1e-12):
             best, best_ratio = ks, tok / ms

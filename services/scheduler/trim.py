@@ -11,12 +11,12 @@ for their verification cost:
   pass more or less often than the calibration expects scales it (its own observed / expected
   ratio, `RequestScale`). A node's value is its path probability, the product of alpha along its
   path: the expected tokens it adds.
-- Verifying costs the same per node (the latency model's weight on tree nodes), so the set of
-  nodes maximizing the step's expected tokens per millisecond,
+- Verifying a node costs the same whichever node it is (the latency model's cost depends on how
+  many nodes, not which), so the set of nodes maximizing the step's expected tokens per ms,
 
       (batch + sum of kept values) / (step ms so far + verify ms of the kept nodes),
 
-  is the best prefix of the nodes sorted by value. A node's value is first capped by its
+  is the best prefix of the nodes sorted by value, found by trying every prefix. A node's value is first capped by its
   parent's and its previous sibling's, so every prefix is a valid tree: a node's parent and its
   earlier siblings come with it (what the verifier's sibling-by-sibling rejection sampling
   needs). Dropping nodes never changes what a kept node's q is.
@@ -181,13 +181,11 @@ def trim(trees: list[DraftTree], calib: NodeCalibration, latency: LatencyModel, 
             else:
                 ranked.append((v, r, i))
     ranked.sort(key=lambda x: (-x[0], x[1], x[2]))  # parents and earlier siblings first on ties
-    w_one, w_batch, w_node = latency.verify.weights
-    base_ms = spent_ms + w_one + w_batch * batch + w_node * (fixed_nodes + forced_nodes)
-    base_tokens = batch + forced_gain
-    best_n, best_ratio, gained = 0, base_tokens / max(base_ms, 1e-9), 0.0
-    for n, (v, _, _) in enumerate(ranked, start=1):
-        gained += v
-        ratio = (base_tokens + gained) / max(base_ms + w_node * n, 1e-9)
+    base_nodes, base_tokens = fixed_nodes + forced_nodes, batch + forced_gain
+    best_n, best_ratio, gained = 0, -1.0, 0.0
+    for n in range(len(ranked) + 1):  # every prefix, at the latency model's cost (not linear in n)
+        gained += ranked[n - 1][0] if n else 0.0
+        ratio = (base_tokens + gained) / max(spent_ms + latency.verify_ms(batch, base_nodes + n), 1e-9)
         if ratio > best_ratio:
             best_n, best_ratio = n, ratio
     for _, r, i in ranked[:best_n]:

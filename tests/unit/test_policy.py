@@ -30,19 +30,35 @@ def test_expected_tokens_closed_form():
     assert expected_tokens([1.0, 0.0, 1.0], 3) == pytest.approx(2.0)
 
 
-@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("seed", range(200))
 def test_plan_matches_brute_force_on_random_batches(seed):
     rng = random.Random(seed)
-    cost = latency(verify=(rng.uniform(5, 50), rng.uniform(0, 5), rng.uniform(0.1, 8)),
+    cost = latency(verify=(rng.uniform(5, 50), rng.uniform(0, 5), rng.uniform(0.1, 8), rng.choice([0, 12, 40])),
                    draft=(rng.uniform(0, 5), rng.uniform(0, 2), rng.uniform(0, 3), rng.uniform(0, 6)))
     cands = []
     for i in range(rng.randint(1, 4)):
         rates = [rng.uniform(0.0, 1.0) ** rng.choice([0.3, 1, 3]) for _ in range(5)]
         cands.append(Candidate(f"r{i}", rates, max_k=rng.randint(0, 5), min_k=rng.choice([0, 0, 0, 1]),
-                               width=rng.choice([1, 1, 2, 3])))
+                               width=rng.choice([1, 1, 2, 3]), trimmed=rng.random() < 0.2))
     got = plan(cands, cost)
     want, want_ratio = brute_force(cands, cost)
     assert got.tokens_per_s / 1e3 == pytest.approx(want_ratio, rel=1e-9), (got.k, want)
+
+
+def test_route_step_is_what_the_engine_has():
+    from services.common.matmul import SMALL_ROWS
+    from services.scheduler.policy import ROUTE_ROWS
+
+    assert ROUTE_ROWS == SMALL_ROWS
+
+
+def test_route_step_keeps_a_single_request_below_it():
+    # 25 ms for up to 3 rows, then a 12 ms step: with acceptance 0.6 drafting 2 (3 rows) beats 4,
+    # which the same costs without the step would pick.
+    rates = [0.6] * 4
+    with_step = plan([Candidate("a", rates, max_k=4)], latency(verify=(25.0, 0.0, 1.0, 12.0), draft=(0, 0, 0, 0)))
+    without = plan([Candidate("a", rates, max_k=4)], latency(verify=(25.0, 0.0, 1.0, 0.0), draft=(0, 0, 0, 0)))
+    assert with_step.k == {"a": 2} and without.k == {"a": 4}
 
 
 def test_plain_decoding_when_drafting_never_pays():

@@ -20,9 +20,8 @@ def chain(tokens: list[int], confs: list[float]) -> DraftTree:
     return t
 
 
-def latency(node_ms: float, one_ms: float = 20.0) -> LatencyModel:
-    m = LatencyModel(verify_prior=(one_ms, 0.0, node_ms))
-    return m
+def latency(node_ms: float, one_ms: float = 20.0, route_ms: float = 0.0) -> LatencyModel:
+    return LatencyModel(verify_prior=(one_ms, 0.0, node_ms, route_ms))
 
 
 def test_confidence_is_sent_or_q_of_the_token():
@@ -76,11 +75,10 @@ def test_free_nodes_are_all_kept_and_dear_ones_none():
 
 def ratio(trees, keep_counts, calib, lat, spent_ms) -> float:
     """Expected tokens per ms when each chain keeps its first keep_counts[r] nodes."""
-    w_one, w_batch, w_node = lat.verify.weights
     tokens = len(trees)
     for t, n in zip(trees, keep_counts):
         tokens += sum(node_values(t, node_confidence(t), calib)[:n])
-    return tokens / (spent_ms + w_one + w_batch * len(trees) + w_node * sum(keep_counts))
+    return tokens / (spent_ms + lat.verify_ms(len(trees), sum(keep_counts)))
 
 
 def test_trim_matches_brute_force_on_chains():
@@ -91,7 +89,7 @@ def test_trim_matches_brute_force_on_chains():
         trees = [chain([10 * r + i for i in range(rng.randint(0, 4))], []) for r in range(rng.randint(1, 3))]
         for t in trees:
             t.confidence = sorted((rng.random() for _ in t.tokens), reverse=True)
-        lat = latency(node_ms=rng.uniform(0.5, 15.0), one_ms=rng.uniform(5, 40))
+        lat = latency(node_ms=rng.uniform(0.5, 15.0), one_ms=rng.uniform(5, 40), route_ms=rng.choice([0, 10]))
         spent = rng.uniform(0, 10)
         best = max(ratio(trees, ks, calib, lat, spent)
                    for ks in itertools.product(*(range(len(t) + 1) for t in trees)))
