@@ -16,10 +16,10 @@ for their verification cost:
 
       (batch + sum of kept values) / (step ms so far + verify ms of the kept nodes),
 
-  is the best prefix of the nodes sorted by value, found by trying every prefix. A node's value is first capped by its
-  parent's and its previous sibling's, so every prefix is a valid tree: a node's parent and its
-  earlier siblings come with it (what the verifier's sibling-by-sibling rejection sampling
-  needs). Dropping nodes never changes what a kept node's q is.
+  is the best prefix of the nodes sorted by value (every prefix is tried). A node's value is
+  first capped by its parent's and its previous sibling's, so every prefix is a valid tree: a
+  node's parent and its earlier siblings come with it (what the verifier's sibling-by-sibling
+  rejection sampling needs). Dropping nodes never changes what a kept node's q is.
 
 Lossless only where the choice cannot depend on a random draw the verification then relies on:
 a sampling request's tree is trimmed only when every node is a point-mass proposal (the n-gram's,
