@@ -2,7 +2,8 @@
 
 Synthetic requests (fixed token ids) go through the real path: for each tree size n a fresh
 request is prefilled (not measured), then verified a few times with an n-node chain, and drafted
-to each depth k; each shape is one observation, the median of its runs after the first. The same plan runs over gRPC (the scheduler at start) and in-process (the engine).
+to each depth k; each shape is one observation, the median of its runs after the first. The
+same plan runs over gRPC (the scheduler at start) and in-process (the engine).
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from specserve.v1 import draft_pb2, verifier_pb2
 log = logging.getLogger(__name__)
 
 PROMPT_LEN = 16
-REPEATS = 4  # timed runs per shape; the first is dropped (a new row count can build kernels on first
-# use, e.g. oneDNN's for the blocked weights) and the median of the rest is what the fit sees
+# Timed runs per shape. The first is dropped (a new row count can build kernels on first use, e.g.
+# oneDNN's for the blocked weights); the median of the rest is what the fit sees.
+REPEATS = 4
 
 
 def synthetic_prompt(vocab_size: int, salt: int = 0) -> list[int]:
