@@ -19,19 +19,39 @@ from grpc_reflection.v1alpha import reflection
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.keepalive_time_ms", 20000), ("grpc.keepalive_timeout_ms", 10000),
-                   ("grpc.keepalive_permit_without_calls", 1),
-                   # A restarted peer is found again within about a second: gRPC's default reconnect
-                   # backoff grows to 120 s, which would keep a replica that came back out of use.
-                   ("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reconnect_backoff_ms", 250),
-                   ("grpc.max_reconnect_backoff_ms", 1000)]
+KEEPALIVE_MS = 20_000
+
+
+def channel_options(keepalive_ms: int = KEEPALIVE_MS) -> list[tuple[str, int]]:
+    """Options of every channel between our processes: large messages, a keepalive ping every
+    `keepalive_ms` (a dead peer is noticed while a stream idles), and a short reconnect backoff."""
+    return [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.keepalive_time_ms", keepalive_ms), ("grpc.keepalive_timeout_ms", keepalive_ms // 2),
+            ("grpc.keepalive_permit_without_calls", 1),
+            # Keep pinging on a silent stream (by default a client stops after 2 pings until data
+            # flows, and resumes only after a throttle of tens of seconds).
+            ("grpc.http2.max_pings_without_data", 0),
+            # A restarted peer is found again within about a second: gRPC's default reconnect
+            # backoff grows to 120 s, which would keep a replica that came back out of use.
+            ("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reconnect_backoff_ms", 250),
+            ("grpc.max_reconnect_backoff_ms", 1000)]
+
+
+def server_options(keepalive_ms: int = KEEPALIVE_MS) -> list[tuple[str, int]]:
+    """Options of every server: those of a channel, plus a ping policy that accepts the clients'
+    keepalive. A server's default allows one ping per 5 minutes while it sends no data, and after
+    two early pings it closes the connection (GOAWAY "too_many_pings"), failing the calls on it."""
+    return channel_options(keepalive_ms) + [
+        ("grpc.http2.min_ping_interval_without_data_ms", keepalive_ms // 2)]
+
+
+CHANNEL_OPTIONS = channel_options()
 
 
 class GrpcServer:
-    def __init__(self, host: str, port: int, service_names: list[str]):
-        self.server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    def __init__(self, host: str, port: int, service_names: list[str], keepalive_ms: int = KEEPALIVE_MS):
+        self.server = grpc.aio.server(options=server_options(keepalive_ms))
         self.address = f"{host}:{port}"
         self.bound_port = self.server.add_insecure_port(self.address)
         if self.bound_port == 0:
