@@ -65,7 +65,9 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
                         mean_accepted_length=n / max(1, n // 2), acceptance_rate=0.5))
                 yield event
             self.finished.append(request.request_id)
-        except asyncio.CancelledError:
+        # A cancelled call raises CancelledError here when it comes during the sleep; when it comes
+        # while gRPC sends an event, the server closes this generator instead (GeneratorExit).
+        except (asyncio.CancelledError, GeneratorExit):
             self.cancelled.append(request.request_id)
             self.cancel_seen.set()
             raise
