@@ -70,8 +70,9 @@ async def stream_chat(client: httpx.AsyncClient, url: str, content: str, max_tok
     return tokens, time.perf_counter() - started
 
 
-def start_stack(http_port: int) -> subprocess.Popen:
+def start_stack(http_port: int, extra_env: dict[str, str]) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPECSERVE_")}
+    env.update(extra_env)
     env.update({"SPECSERVE_HTTP_PORT": str(http_port), "SPECSERVE_DRAFT": "ngram",
                 "SPECSERVE_DRAFT_LENGTH": str(DRAFT_LENGTH), "SPECSERVE_MAX_BATCH": "16"})
     env.pop("REDIS_URL", None)
@@ -100,7 +101,12 @@ def main() -> None:
     ap.add_argument("--http-port", type=int, default=8100)
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
     ap.add_argument("--update", type=Path, default=None)
+    ap.add_argument("--concurrency", default="1,8,16", help="comma-separated stream counts; empty: single stream only")
+    ap.add_argument("--stack-env", action="append", default=[], metavar="KEY=VALUE",
+                    help="environment of the services only (not of the in-process engine); repeatable")
     args = ap.parse_args()
+    stack_env = dict(kv.split("=", 1) for kv in args.stack_env)
+    levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
 
     questions = load_questions(args.questions, args.per_category)
     target = load_model("default")
@@ -108,7 +114,7 @@ def main() -> None:
     prompts = [encode_prompt(target.tokenizer, q["turns"][0], chat=True) for q in questions]
     params = SamplingParams(max_tokens=args.max_tokens)
     url = f"http://127.0.0.1:{args.http_port}"
-    proc = start_stack(args.http_port)
+    proc = start_stack(args.http_port, stack_env)
     try:
         async def run_all():
             async with httpx.AsyncClient() as client:
@@ -131,7 +137,7 @@ def main() -> None:
                         single[name].append(tot[name])
                     print(f"single-stream repeat {rep + 1}/{args.repeats} done", flush=True)
                 conc = {}
-                for c in (1, 8, 16):
+                for c in levels:
                     rates = []
                     for rep in range(args.repeats):
                         contents = [questions[(rep + j) % len(questions)]["turns"][0] for j in range(c)]
@@ -150,19 +156,24 @@ def main() -> None:
     ratio = statistics.median(g[0] / g[1] / (e[0] / e[1]) for e, g in zip(single["engine"], single["gateway"]))
     tps = {k: statistics.median(n / s for n, s in v) for k, v in single.items()}
     meta = {"date": time.strftime("%Y-%m-%d"), "commit": commit(), "machine": machine(),
-            "questions": len(questions), "max_tokens": args.max_tokens, "repeats": args.repeats}
+            "questions": len(questions), "max_tokens": args.max_tokens, "repeats": args.repeats,
+            "stack_env": stack_env}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_services.json").write_text(json.dumps(
         {"meta": meta, "single": single, "single_ratio": ratio, "concurrency": conc}, indent=1))
     lines = [f"Default model, n-gram draft k={DRAFT_LENGTH}, {meta['questions']} Spec-Bench dev questions (chat, "
              f"greedy, max {meta['max_tokens']} tokens), median of {meta['repeats']} repeats. {meta['date']}, "
-             f"commit {meta['commit']}, {meta['machine']}. The services share the machine's 2 cores.", "",
+             f"commit {meta['commit']}, {meta['machine']}. The services share the machine's 2 cores"
+             + (f"; services' environment {stack_env}" if stack_env else "") + ".", "",
              "| measure | value |", "| --- | --- |",
              f"| in-process engine, one stream | {tps['engine']:.1f} tokens/s |",
              f"| through the gateway (HTTP SSE), one stream | {tps['gateway']:.1f} tokens/s |",
              f"| gateway / in-process | {ratio:.2f} |"]
     for c, rate in conc.items():
-        lines.append(f"| {c} concurrent streams, aggregate | {rate:.1f} tokens/s ({rate / conc[1]:.2f}x one stream) |")
+        if c != 1 and 1 in conc:
+            lines.append(f"| {c} concurrent streams, aggregate | {rate:.1f} tokens/s ({rate / conc[1]:.2f}x one stream) |")
+        else:
+            lines.append(f"| {c} concurrent streams, aggregate | {rate:.1f} tokens/s |")
     table = "\n".join(lines)
     print(table)
     if args.update:
