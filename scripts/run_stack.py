@@ -14,6 +14,7 @@ Settings (environment; every other SPECSERVE_* variable passes through to the se
   SPECSERVE_STARTUP_TIMEOUT  seconds to wait for every health check (default 300)
   SPECSERVE_STOP_TIMEOUT     seconds between SIGTERM and SIGKILL on shutdown (default 20)
   SPECSERVE_RUN_DIR          where logs (<role>.log) and pid files (<role>.pid) go (default .run/)
+  SPECSERVE_DRAFT_ADDRS      local: n-gram drafting inside the scheduler, and no draft service
 """
 
 from __future__ import annotations
@@ -79,7 +80,9 @@ def find_redis_server() -> str:
 
 def plan(env: dict[str, str], run_dir: Path) -> tuple[list[tuple[str, list[str]]], dict[str, str], dict]:
     """The commands to run (name, argv), the environment for the services, and the ports."""
-    ports = {role: int(env.get(f"SPECSERVE_{role.upper()}_PORT", DEFAULT_PORTS[role])) for role in START_ORDER}
+    local_draft = env.get("SPECSERVE_DRAFT_ADDRS", "").strip() == "local"
+    roles = [role for role in START_ORDER if not (role == "draft" and local_draft)]
+    ports = {role: int(env.get(f"SPECSERVE_{role.upper()}_PORT", DEFAULT_PORTS[role])) for role in roles}
     http_port = int(env.get("SPECSERVE_HTTP_PORT", DEFAULT_HTTP_PORT))
     commands, child_env, redis_port = [], {**env, "PYTHONUNBUFFERED": "1"}, None
     if not env.get("REDIS_URL"):
@@ -90,9 +93,10 @@ def plan(env: dict[str, str], run_dir: Path) -> tuple[list[tuple[str, list[str]]
                                    "--save", "", "--appendonly", "no", "--dir", str(run_dir)]))
         child_env["REDIS_URL"] = f"redis://127.0.0.1:{redis_port}/0"
     addr = {role: f"127.0.0.1:{port}" for role, port in ports.items()}
-    extra = {"scheduler": ["--draft-addrs", addr["draft"], "--verifier-addrs", addr["verifier"]],
+    extra = {"scheduler": ["--draft-addrs", "local" if local_draft else addr["draft"],
+                           "--verifier-addrs", addr["verifier"]],
              "gateway": ["--scheduler-addrs", addr["scheduler"], "--http-port", str(http_port)]}
-    for role in START_ORDER:
+    for role in roles:
         commands.append((role, [sys.executable, "-m", "services.cli", "serve", role,
                                 "--port", str(ports[role]), *extra.get(role, [])]))
     return commands, child_env, {**ports, "http": http_port, "redis": redis_port}
@@ -187,10 +191,11 @@ def wait_healthy(stack: Stack, ports: dict, timeout_s: float) -> None:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    t0, pending = time.monotonic(), [*START_ORDER, "gateway HTTP"]
+    roles = [role for role in START_ORDER if role in stack.procs]
+    t0, pending = time.monotonic(), [*roles, "gateway HTTP"]
     # Reconnect every second: gRPC's default backoff grows while a model loads (late to notice it up).
     backoff = [("grpc.initial_reconnect_backoff_ms", 500), ("grpc.max_reconnect_backoff_ms", 1000)]
-    channels = {role: grpc.insecure_channel(f"127.0.0.1:{ports[role]}", options=backoff) for role in START_ORDER}
+    channels = {role: grpc.insecure_channel(f"127.0.0.1:{ports[role]}", options=backoff) for role in roles}
     try:
         while pending:
             stack.check_alive()

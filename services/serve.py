@@ -69,15 +69,22 @@ async def serve_scheduler(args) -> None:
 
     from services.common.loading import resolve_checkpoint
     from services.scheduler.controller import ControllerConfig
+    from services.scheduler.local_draft import LOCAL, LocalDraft
     from services.scheduler.loop import SchedulerLoop
     from services.scheduler.servicer import SchedulerServicer
     from services.scheduler.telemetry import Telemetry
     from services.scheduler.workers import ReplicaSet
     from specserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 
-    drafts = ReplicaSet("draft", split_addrs(args.draft_addrs))
     verifiers = ReplicaSet("verifier", split_addrs(args.verifier_addrs))
     info = await _wait_for_info(verifiers)  # the target's facts come from a verifier
+    draft_addrs = split_addrs(args.draft_addrs)
+    if LOCAL in draft_addrs:  # n-gram lookup in this process: no draft hop
+        if len(draft_addrs) > 1:
+            raise ValueError(f"--draft-addrs {LOCAL} drafts in the scheduler; it takes no other replica")
+        drafts = ReplicaSet("draft", [], replicas=[LocalDraft(info)])
+    else:
+        drafts = ReplicaSet("draft", draft_addrs)
     tokenizer = AutoTokenizer.from_pretrained(resolve_checkpoint(args.target))
     eos = set(info.eos_token_ids)
     if tokenizer.eos_token_id is not None:

@@ -47,7 +47,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("--device", "SPECSERVE_DEVICE", "cpu", ("draft", "verifier"), "cpu, cuda or auto"),
     Option("--dtype", "SPECSERVE_DTYPE", "auto", ("draft", "verifier"), "auto, float32, bfloat16, float16"),
     Option("--draft-addrs", "SPECSERVE_DRAFT_ADDRS", "127.0.0.1:50052", ("scheduler",),
-           "comma-separated draft replicas (host:port)"),
+           "comma-separated draft replicas (host:port), or local: n-gram drafting inside the scheduler "
+           "(no draft service, no draft hop)"),
     Option("--verifier-addrs", "SPECSERVE_VERIFIER_ADDRS", "127.0.0.1:50053", ("scheduler",),
            "comma-separated verifier replicas (host:port)"),
     Option("--scheduler-addrs", "SPECSERVE_SCHEDULER_ADDRS", "127.0.0.1:50051", ("gateway",),

@@ -21,7 +21,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                             "Switches of the draft from its SlimSpec head to the full head by the quality guard",
                             lambda: (slim_state() or {}).get("fallbacks", 0))
 
-    def _step(self, step: draft_pb2.ProposeStep) -> draft_pb2.ProposeResult:
+    def step(self, step: draft_pb2.ProposeStep) -> draft_pb2.ProposeResult:
+        """Answer one step message (on the model thread, or in-process: services/scheduler/local_draft.py)."""
         started = time.perf_counter()
         for rid in step.release:
             self.worker.release(rid)
@@ -51,7 +52,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         return draft_pb2.ProposeResult(step_id=step.step_id, proposals=proposals, timing=timing)
 
     async def Propose(self, request_iterator, context):
-        async for result in self.worker.serve_stream(request_iterator, context, self._step):
+        async for result in self.worker.serve_stream(request_iterator, context, self.step):
             yield result
 
     async def Info(self, request, context):

@@ -81,11 +81,12 @@ class ReplicaSet:
     """Replicas of one kind; a request sticks to one, new requests go to the least loaded (ties
     taken in turn, so sequential requests spread too)."""
 
-    def __init__(self, kind: str, addresses: list[str]):
-        if not addresses:
+    def __init__(self, kind: str, addresses: list[str], replicas: list | None = None):
+        """Remote replicas at `addresses`, or the given `replicas` (an in-process LocalDraft)."""
+        if not addresses and not replicas:
             raise ValueError(f"no {kind} replica address configured")
         self.kind = kind
-        self.replicas = [Replica(kind, a) for a in addresses]
+        self.replicas = list(replicas) if replicas else [Replica(kind, a) for a in addresses]
         self.assignment: dict[str, Replica] = {}
         self._turn = 0  # rotates the choice among equally loaded replicas
 

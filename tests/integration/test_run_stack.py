@@ -141,6 +141,11 @@ def test_dry_run_prints_the_commands_and_starts_nothing(launcher):
     assert res.returncode == 0 and "redis-server" not in res.stdout
     assert "export REDIS_URL=redis://redis.example:6380/1" in res.stdout
 
+    launcher.env["SPECSERVE_DRAFT_ADDRS"] = "local"  # n-gram drafting in the scheduler: no draft service
+    res = launcher.run("--dry-run")
+    assert res.returncode == 0 and "serve draft" not in res.stdout
+    assert "--draft-addrs local" in next(ln for ln in res.stdout.splitlines() if "serve scheduler" in ln)
+
 
 def test_a_port_in_use_is_refused_before_anything_starts(launcher):
     with socket.socket() as busy:

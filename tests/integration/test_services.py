@@ -176,3 +176,28 @@ def test_redis_outage_never_fails_a_request(tmp_path, home, stack):
     finally:
         st.stop_all()
     assert "Redis unavailable" in sched.log.read_text()
+
+
+@pytest.mark.parametrize("params", [dict(max_tokens=30), dict(max_tokens=24, temperature=0.9, top_p=0.9, seed=7)])
+def test_local_ngram_draft_equals_in_process_engine(tmp_path, home, stack, params):
+    """`--draft-addrs local`: the scheduler drafts by n-gram lookup itself (no draft service at
+    all) and streams what the in-process engine with the same proposer yields."""
+    from services.common.sampling import SamplingParams
+    from services.draft.ngram import NgramProposer
+    from services.scheduler.engine import Engine, EngineConfig
+
+    st = Stack(tmp_path, stack_env(home))
+    sched = st.start("scheduler", "--target", str(stack.target), "--draft-addrs", "local",
+                     "--verifier-addrs", stack.verifier_addr, "--draft-length", "3")
+    try:
+        st.wait_healthy(sched)
+        engine = Engine(stack.engine.target, NgramProposer(), EngineConfig(draft_length=3))
+        drafted = 0
+        for i, prompt in enumerate([PROMPTS[0], PROMPTS[4]]):
+            got = asyncio.run(generate(sched.addr, f"local-{params.get('seed')}-{i}", prompt, **params))
+            want = engine.generate([prompt], SamplingParams(**params))[0]
+            assert got["token_ids"] == want.output_ids
+            drafted += got["usage"].drafted_tokens
+        assert drafted > 0  # the repeating prompts give the lookup something to propose
+    finally:
+        st.stop_all()
