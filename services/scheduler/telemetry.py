@@ -3,8 +3,10 @@
 Per step and request the scheduler records, for each draft depth the verifier judged (the path
 reached depth d - 1), whether the depth-d token was accepted; plus tree size and draft and
 verify latency. Counts go to time buckets per model pair and request class, so old data fades:
-a reader weighs bucket b by 0.5 ** (age / half_life). Writes are batched per step and sent in the
-background; a Redis outage never fails or slows a request (writes are dropped, logged once per
+a reader weighs bucket b by 0.5 ** (age / half_life). Records are summed and sent in the
+background at most every FLUSH_INTERVAL_S (one pipeline: the summed counters, then the class's
+buckets read back), not once per step: a step every few tens of milliseconds would otherwise
+cost a Redis round trip and thirty bucket reads each, on the cores the verifier needs. A Redis outage never fails or slows a request (writes are dropped, logged once per
 interval, and the priors fall back to this scheduler's own decayed counts).
 
 Keys (hashes of counters; each bucket expires after `keep_buckets` intervals):
@@ -24,6 +26,7 @@ from services.scheduler.policy import depth_outcomes
 log = logging.getLogger(__name__)
 
 LOG_INTERVAL_S = 30.0
+FLUSH_INTERVAL_S = 0.25
 MIN_JUDGED = 10.0  # weighted observations before a depth's shared rate is trusted
 
 
@@ -86,6 +89,7 @@ class Telemetry:
         self._pending: list[StepRecord] = []
         self._last_error_log = 0.0
         self._task: asyncio.Task | None = None
+        self._last_flush = float("-inf")  # time.monotonic() of the last flush
         self.redis_errors = 0
 
     def record(self, rec: StepRecord) -> None:
@@ -104,11 +108,20 @@ class Telemetry:
         return self.stats(request_class).rates(max_depth)
 
     def flush(self) -> None:
-        """Send pending records in the background (at most one flush in flight)."""
+        """Send pending records in the background: one writer task at a time, which writes at
+        most once per FLUSH_INTERVAL_S and ends when nothing is pending."""
         if self.client is None or not self._pending or (self._task and not self._task.done()):
             return
-        batch, self._pending = self._pending, []
-        self._task = asyncio.create_task(self._write(batch))
+        self._task = asyncio.create_task(self._drain())
+
+    async def _drain(self) -> None:
+        while self._pending:
+            wait = self._last_flush + FLUSH_INTERVAL_S - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)  # records of the steps meanwhile join this write
+            self._last_flush = time.monotonic()
+            batch, self._pending = self._pending, []
+            await self._write(batch)
 
     def _key(self, request_class: str, bucket: int) -> str:
         return f"specserve:accept:{self.pair}:{request_class}:{bucket}"
@@ -121,19 +134,14 @@ class Telemetry:
             pipe = self.client.pipeline(transaction=False)
             lkey = f"specserve:latency:{self.pair}"
             classes = sorted({rec.request_class for rec in batch})
-            for rec in batch:
-                akey = self._key(rec.request_class, bucket)
-                for d, ok in depth_outcomes(rec.depth, rec.accepted):
-                    pipe.hincrby(akey, f"judged:{d}", 1)
-                    if ok:
-                        pipe.hincrby(akey, f"accepted:{d}", 1)
-                pipe.hincrby(akey, "steps", 1)
-                pipe.hincrby(akey, "tree_nodes", rec.nodes)
-                pipe.hincrbyfloat(lkey, "draft_ms_sum", rec.draft_ms)
-                pipe.hincrbyfloat(lkey, "verify_ms_sum", rec.verify_ms)
-                pipe.hincrby(lkey, "steps", 1)
-            for cls in classes:
-                pipe.expire(self._key(cls, bucket), ttl)
+            for cls, counts in _summed(batch).items():
+                akey = self._key(cls, bucket)
+                for name, value in counts.items():
+                    pipe.hincrby(akey, name, value)
+                pipe.expire(akey, ttl)
+            pipe.hincrbyfloat(lkey, "draft_ms_sum", sum(rec.draft_ms for rec in batch))
+            pipe.hincrbyfloat(lkey, "verify_ms_sum", sum(rec.verify_ms for rec in batch))
+            pipe.hincrby(lkey, "steps", len(batch))
             reads = [(cls, b) for cls in classes for b in range(bucket - self.keep_buckets + 1, bucket + 1)]
             for cls, b in reads:
                 pipe.hgetall(self._key(cls, b))
@@ -155,6 +163,21 @@ class Telemetry:
             await asyncio.gather(self._task, return_exceptions=True)
         if self.client is not None:
             await self.client.aclose()
+
+
+def _summed(batch: list[StepRecord]) -> dict[str, dict[str, int]]:
+    """Per request class, the counter increments of a batch of records (judged:{d}, accepted:{d},
+    steps, tree_nodes)."""
+    out: dict[str, dict[str, int]] = {}
+    for rec in batch:
+        counts = out.setdefault(rec.request_class, {})
+        for d, ok in depth_outcomes(rec.depth, rec.accepted):
+            counts[f"judged:{d}"] = counts.get(f"judged:{d}", 0) + 1
+            if ok:
+                counts[f"accepted:{d}"] = counts.get(f"accepted:{d}", 0) + 1
+        counts["steps"] = counts.get("steps", 0) + 1
+        counts["tree_nodes"] = counts.get("tree_nodes", 0) + rec.nodes
+    return out
 
 
 def _parse(raw: dict) -> AcceptanceStats:

@@ -7,7 +7,7 @@ import time
 import httpx
 import pytest
 
-from services.scheduler.telemetry import StepRecord, Telemetry
+from services.scheduler.telemetry import FLUSH_INTERVAL_S, StepRecord, Telemetry
 from tests.integration.stack import Stack, free_port, stack_env
 from tests.integration.test_services import PROMPTS, generate
 
@@ -61,6 +61,39 @@ def test_adaptive_scheduler_streams_the_target_greedy_output(tmp_path, home, sta
                 time.sleep(0.1)
     finally:
         st.stop_all()
+
+
+def test_telemetry_sums_fast_steps_into_few_writes_and_loses_none(redis_url):
+    """Steps every 20 ms: their records reach Redis summed, in at most one write per
+    FLUSH_INTERVAL_S, and the last step's record arrives too."""
+    import redis
+
+    async def scenario():
+        t = Telemetry(redis_url, "pair-flush")
+        writes, write = [], t._write
+
+        async def counted(batch):
+            writes.append(len(batch))
+            await write(batch)
+
+        t._write = counted
+        started = time.monotonic()
+        for _ in range(30):
+            t.record(StepRecord("c", depth=2, accepted=1, nodes=2, draft_ms=1.0, verify_ms=5.0))
+            t.flush()
+            await asyncio.sleep(0.02)
+        await t._task
+        elapsed = time.monotonic() - started
+        await t.close()
+        return writes, elapsed
+
+    writes, elapsed = asyncio.run(scenario())
+    assert sum(writes) == 30 and len(writes) <= 2 + elapsed / FLUSH_INTERVAL_S
+    client = redis.Redis.from_url(redis_url)
+    (key,) = client.scan_iter("specserve:accept:pair-flush:c:*")
+    counts = {k.decode(): int(v) for k, v in client.hgetall(key).items()}
+    # depth 1 judged and accepted, depth 2 judged and rejected, every step
+    assert counts == {"judged:1": 30, "accepted:1": 30, "judged:2": 30, "steps": 30, "tree_nodes": 60}
 
 
 def test_schedulers_share_acceptance_priors_through_redis(redis_url):
