@@ -101,6 +101,7 @@ def main() -> None:
     ap.add_argument("--http-port", type=int, default=8100)
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
     ap.add_argument("--update", type=Path, default=None)
+    ap.add_argument("--section", default="bench_services", help="the BENCHMARKS.md section --update rewrites")
     ap.add_argument("--concurrency", default="1,8,16", help="comma-separated stream counts; empty: single stream only")
     ap.add_argument("--stack-env", action="append", default=[], metavar="KEY=VALUE",
                     help="environment of the services only (not of the in-process engine); repeatable")
@@ -177,7 +178,7 @@ def main() -> None:
     table = "\n".join(lines)
     print(table)
     if args.update:
-        update_section(args.update, "bench_services", table)
+        update_section(args.update, args.section, table)
 
 
 if __name__ == "__main__":
