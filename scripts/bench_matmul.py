@@ -3,9 +3,10 @@ memory-bandwidth floor they sit on (why `services.common.matmul` picks its route
 
 For each row count (the new tokens of a step), every linear weight of the model (layers and
 head) is multiplied once by each route, interleaved, median over repeats:
-  F.linear           MKL on the plain weights (the route for <= SMALL_ROWS rows),
+  F.linear           MKL on the plain weights (the route for <= small_rows rows),
   oneDNN             oneDNN's linear on the plain weights (the engine's old route),
-  oneDNN blocked     oneDNN on weights reordered once into its blocked layout (> SMALL_ROWS).
+  oneDNN blocked     oneDNN on weights reordered once into its blocked layout (> small_rows),
+where small_rows is what the engine's `Matmul.tune` chose for this machine at load.
 The floor is the weights' bytes over the bandwidth of summing one buffer of the same size.
 
     python scripts/bench_matmul.py [--target default] [--update BENCHMARKS.md]
@@ -25,7 +26,6 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from services.bench import report  # noqa: E402
-from services.common import matmul  # noqa: E402
 from services.common.loading import load_model  # noqa: E402
 
 ROWS = (1, 2, 3, 4, 6, 8, 16, 32)
@@ -46,7 +46,7 @@ def main() -> None:
     ap.add_argument("--update", type=Path, help="rewrite the bench_matmul section of this Markdown file")
     args = ap.parse_args()
     model = load_model(args.target).model
-    weights = [L[k] for L in model.layers for k in ("wqkv", "wo", "wgu", "wd")] + [model.lm_head]
+    weights = model.linear_weights()
     if any(w.packed is None for w in weights):
         sys.exit("the blocked route is off for this model (not CPU float32, or no oneDNN)")
     nbytes = sum(w.dense.numel() * w.dense.element_size() for w in weights)
@@ -68,13 +68,14 @@ def main() -> None:
         rows_ms[rows] = {name: 1000 * statistics.median(v) for name, v in samples.items()}
 
     m = report.meta(sys.argv)
+    small = model.matmul.small_rows
     lines = [f"One step's matmuls over every weight of {args.target} ({nbytes / 1e6:.0f} MB fp32), ms, "
-             f"median of {args.repeats} interleaved repeats; the engine takes F.linear up to "
-             f"{matmul.SMALL_ROWS} rows, oneDNN blocked above. Memory floor: {1000 * floor_s:.1f} ms "
+             f"median of {args.repeats} interleaved repeats; the engine tuned itself at load to take F.linear "
+             f"up to {small} rows, oneDNN blocked above. Memory floor: {1000 * floor_s:.1f} ms "
              f"(summing one {nbytes / 1e6:.0f} MB buffer, {nbytes / floor_s / 1e9:.1f} GB/s). {report.stamp(m)}.",
              "", "| rows | " + " | ".join(routes) + " | engine |", "| --- |" + " --- |" * (len(routes) + 1)]
     for rows, ms in rows_ms.items():
-        engine = ms["F.linear"] if rows <= matmul.SMALL_ROWS else ms["oneDNN blocked"]
+        engine = ms["F.linear"] if rows <= small else ms["oneDNN blocked"]
         lines.append(f"| {rows} | " + " | ".join(f"{ms[n]:.1f}" for n in routes) + f" | {engine:.1f} |")
     body = "\n".join(lines)
     print(body)

@@ -16,9 +16,10 @@ log = logging.getLogger(__name__)
 
 def _worker_info(role: str, loaded, device: str, proposer: str = "") -> common_pb2.InfoResponse:
     c = loaded.config
+    route_rows = loaded.model.matmul.small_rows if role == "verifier" else 0
     return common_pb2.InfoResponse(model=loaded.name, vocab_size=c.vocab_size, max_positions=c.max_positions,
                                    eos_token_ids=list(c.eos_token_ids), role=role, proposer=proposer,
-                                   device=device)
+                                   device=device, route_rows=route_rows)
 
 
 def _worker_metrics(role: str, args) -> WorkerMetrics:
@@ -96,7 +97,7 @@ async def serve_scheduler(args) -> None:
     controller = ControllerConfig(min_draft_length=int(args.min_draft_length),
                                   max_draft_length=int(args.max_draft_length),
                                   adjust_interval_ms=float(args.adjust_interval_ms),
-                                  rejection_alert=float(args.rejection_alert))
+                                  rejection_alert=float(args.rejection_alert), route_rows=info.route_rows)
     loop = SchedulerLoop(tokenizer, tuple(sorted(eos)), info.max_positions, drafts, verifiers, telemetry,
                          draft_length=args.draft_length, max_draft_length=int(args.max_draft_length),
                          tree_size=tree_size, max_batch=int(args.max_batch), controller=controller,

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from services.common.kv_cache import KVCache
-from services.common.matmul import Matmul
+from services.common.matmul import Matmul, Weight
 from services.common.model_config import ModelConfig
 from services.common.tree import ancestor_mask, forest_depths
 
@@ -87,11 +87,16 @@ class LlamaModel:
                     torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])),
                 "wd": self.matmul.weight(w(p + "mlp.down_proj.weight")),  # [hidden, intermediate]
             })
+        self.matmul.tune(self.linear_weights())
         positions = torch.arange(c.max_positions, dtype=torch.float32)
         freqs = positions[:, None] * c.inv_freq[None, :].float()  # [max_positions, head_dim / 2]
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos = (emb.cos() * c.rope_scaling).to(device=device, dtype=dtype)  # [max_pos, head_dim]
         self.sin = (emb.sin() * c.rope_scaling).to(device=device, dtype=dtype)
+
+    def linear_weights(self) -> list[Weight]:
+        """Every weight one forward multiplies by, in order: each layer's, then the head."""
+        return [L[k] for L in self.layers for k in ("wqkv", "wo", "wgu", "wd")] + [self.lm_head]
 
     def new_cache(self, capacity: int) -> KVCache:
         c = self.config

@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 from services.common import codec
 from services.common.sampling import SamplingParams
 from services.common.tree import DraftTree
-from services.scheduler.policy import ROUTE_ROWS, LatencyModel, StepShape
+from services.scheduler.policy import LatencyModel, StepShape
 from specserve.v1 import draft_pb2, verifier_pb2
 
 log = logging.getLogger(__name__)
@@ -42,10 +42,11 @@ def synthetic_chain(n: int, vocab_size: int) -> DraftTree:
     return tree
 
 
-def tree_sizes(max_k: int, width: int) -> list[int]:
+def tree_sizes(max_k: int, width: int, route_rows: int) -> list[int]:
     top = max_k * width
-    # ROUTE_ROWS nodes + the pending token: the first forward past the route step
-    return sorted(n for n in {0, 1, 2, ROUTE_ROWS, top // 2, top} if n <= top)
+    # route_rows nodes + the pending token: the first forward past the route step (if any)
+    sizes = {0, 1, 2, top // 2, top} | ({route_rows} if route_rows else set())
+    return sorted(n for n in sizes if n <= top)
 
 
 def _ms(t0: float) -> float:
@@ -63,7 +64,7 @@ async def calibrate_remote(latency: LatencyModel, verify: Callable[[object], Awa
     """Over gRPC: `verify` / `propose` send one VerifyStep / ProposeStep to a replica and return
     its result (the step streams of one verifier and one draft replica)."""
     params = codec.params_to_pb(SamplingParams(max_tokens=PROMPT_LEN * 4))
-    for salt, n in enumerate(tree_sizes(max_k, width)):
+    for salt, n in enumerate(tree_sizes(max_k, width, latency.route_rows)):
         rid = f"__calibration_{n}__"
         tokens = synthetic_prompt(vocab_size, salt)
         sent, times = 0, []
@@ -76,7 +77,7 @@ async def calibrate_remote(latency: LatencyModel, verify: Callable[[object], Awa
             times.append(_ms(t0))
             sent = len(tokens)
             tokens = tokens + list(res.verdicts[0].tokens)
-        latency.verify.observe(StepShape(1, 0, n, 0).verify_features(), settled(times[1:]))
+        latency.observe_verify(StepShape(1, 0, n, 0), settled(times[1:]))
         await verify(verifier_pb2.VerifyStep(release=[rid]))
         if propose is None or n == 0:
             continue
@@ -92,8 +93,9 @@ async def calibrate_remote(latency: LatencyModel, verify: Callable[[object], Awa
         if nodes:  # the same tokens each round: the same tree
             latency.draft.observe(StepShape(1, 1, nodes, k).draft_features(), settled(times[1:]))
         await propose(draft_pb2.ProposeStep(release=[rid]))
-    log.info("warm-up: verify ms = %s . [1, batch, nodes, rows > %d]; draft ms = %s . [1, drafting, nodes, depth]",
-             [round(w, 2) for w in latency.verify.weights], ROUTE_ROWS, [round(w, 2) for w in latency.draft.weights])
+    step = f"rows > {latency.route_rows}" if latency.route_rows else "no route step"
+    log.info("warm-up: verify ms = %s . [1, batch, nodes, %s]; draft ms = %s . [1, drafting, nodes, depth]",
+             [round(w, 2) for w in latency.verify.weights], step, [round(w, 2) for w in latency.draft.weights])
 
 
 def calibrate_local(latency: LatencyModel, verifier, proposer, vocab_size: int, max_k: int, width: int) -> None:
@@ -102,7 +104,7 @@ def calibrate_local(latency: LatencyModel, verifier, proposer, vocab_size: int, 
     from services.verifier.verifier import VerifyItem
 
     params = SamplingParams(max_tokens=PROMPT_LEN * 4)
-    for salt, n in enumerate(tree_sizes(max_k, width)):
+    for salt, n in enumerate(tree_sizes(max_k, width, latency.route_rows)):
         rid = f"__calibration_{n}__"
         tokens = synthetic_prompt(vocab_size, salt)
         times = []
@@ -112,7 +114,7 @@ def calibrate_local(latency: LatencyModel, verifier, proposer, vocab_size: int, 
                                                   params, None)])[0]
             times.append(_ms(t0))
             tokens = tokens + list(verdict.tokens)
-        latency.verify.observe(StepShape(1, 0, n, 0).verify_features(), settled(times[1:]))
+        latency.observe_verify(StepShape(1, 0, n, 0), settled(times[1:]))
         verifier.release(rid)
         if proposer is None or n == 0:
             continue

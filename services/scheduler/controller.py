@@ -33,6 +33,7 @@ class ControllerConfig:
     adjust_interval_ms: float = 0.0  # re-plan at most this often (0 = every step)
     rejection_alert: float = 0.85  # warn when more than this share of draft tokens is rejected
     log_interval_s: float = 10.0  # at most one line per kind per interval
+    route_rows: int = 0  # the verifier's matmul route step (policy.LatencyModel; 0 = none)
 
     def validate(self) -> None:
         if not 0 <= self.min_draft_length <= self.max_draft_length:
@@ -55,7 +56,7 @@ class DraftController:
                  priors: Priors | None = None, clock: Callable[[], float] = time.monotonic):
         config.validate()
         self.config = config
-        self.latency = latency or LatencyModel()
+        self.latency = latency or LatencyModel(route_rows=config.route_rows)
         self.priors = priors or (lambda cls: [])
         self.clock = clock
         self.accept: dict[str, Acceptance] = {}

@@ -79,7 +79,8 @@ class Engine:
             width = -(-cfg.tree_size // cfg.max_draft_length) if cfg.tree_size else 1
             self.telemetry = Telemetry(None, "in-process")  # priors shared by this engine's requests
             self.controller = DraftController(
-                ControllerConfig(cfg.min_draft_length, cfg.max_draft_length, width, cfg.adjust_interval_ms),
+                ControllerConfig(cfg.min_draft_length, cfg.max_draft_length, width, cfg.adjust_interval_ms,
+                                 route_rows=target.model.matmul.small_rows),
                 priors=lambda cls: self.telemetry.priors(cls, cfg.max_draft_length))
             self._calibrated = False
 

@@ -3,8 +3,8 @@
 Three parts, each fitted from what the scheduler measures:
 
 - `LatencyModel`: one step's draft and verify latency as linear functions of the step's shape
-  (batch size, tree nodes, draft depth, and whether the verify forward has more than
-  `ROUTE_ROWS` rows), fitted by exponentially weighted least squares that starts from warm-up
+  (batch size, tree nodes, draft depth, and whether the verify forward has more than the
+  verifier's `route_rows` rows), fitted by exponentially weighted least squares that starts from warm-up
   measurements and follows the telemetry of every step.
 - `Acceptance`: per-depth acceptance probabilities alpha_d = P(the depth-d draft token is
   accepted | the path reached depth d - 1) for one request, from its own decayed counts blended
@@ -29,11 +29,11 @@ from dataclasses import dataclass, field
 
 
 # -- latency -----------------------------------------------------------------------------------
-# A verify forward of more rows (requests + verified nodes) than this pays a step in cost on the
-# engine's CPU float32 matmul (services/common/matmul.py: SMALL_ROWS; a test keeps them equal):
-# up to it the weights stream at memory speed, above it a slower route starts (~26 -> ~38 ms
-# for the default model). Elsewhere the fitted weight of the step stays near 0.
-ROUTE_ROWS = 3
+# The verifier's CPU float32 matmul may change route past a row count (services/common/matmul.py:
+# small_rows, measured at load and reported in the verifier's Info as route_rows): on a 2-core
+# Xeon F.linear streams the weights at memory speed up to 3 rows, then a slower route starts
+# (~26 -> ~38 ms for the default model). The latency model charges that step as a term of its
+# own; route_rows = 0 means one route at every row count (no step).
 
 
 @dataclass(frozen=True)
@@ -54,8 +54,10 @@ class StepShape:
     def verified_nodes(self) -> int:
         return self.nodes if self.verified is None else self.verified
 
-    def verify_features(self) -> tuple[float, ...]:
-        large = self.large or self.batch + self.verified_nodes > ROUTE_ROWS
+    def verify_features(self, route_rows: int) -> tuple[float, ...]:
+        """[1, batch, verified nodes, past the route step?] for a verifier whose matmul changes
+        route past `route_rows` rows (0: never)."""
+        large = route_rows > 0 and (self.large or self.batch + self.verified_nodes > route_rows)
         return (1.0, float(self.batch), float(self.verified_nodes), 1.0 if large else 0.0)
 
     def draft_features(self) -> tuple[float, ...]:
@@ -125,23 +127,28 @@ class LinearFit:
 
 class LatencyModel:
     """Predicted step latency in ms: verify(batch, nodes, route step) + draft(drafting, nodes, depth).
-    `verify_prior` may leave out the route step's weight (then 0)."""
+    `verify_prior` may leave out the route step's weight (then 0); `route_rows` is the verifier's
+    (0: no route step)."""
 
     def __init__(self, verify_prior: tuple[float, ...] = (30.0, 2.0, 2.0, 0.0),
-                 draft_prior: tuple[float, ...] = (2.0, 0.5, 0.5, 1.0)):
+                 draft_prior: tuple[float, ...] = (2.0, 0.5, 0.5, 1.0), route_rows: int = 0):
         self.verify = LinearFit(tuple(verify_prior) + (0.0,) * (4 - len(verify_prior)))
         self.draft = LinearFit(draft_prior)
+        self.route_rows = route_rows
 
     def verify_ms(self, batch: int, nodes: int) -> float:
-        return self.verify.predict(StepShape(batch, 0, nodes, 0).verify_features())
+        return self.verify.predict(StepShape(batch, 0, nodes, 0).verify_features(self.route_rows))
+
+    def observe_verify(self, shape: StepShape, verify_ms: float) -> None:
+        self.verify.observe(shape.verify_features(self.route_rows), verify_ms)
 
     def observe(self, shape: StepShape, draft_ms: float, verify_ms: float) -> None:
-        self.verify.observe(shape.verify_features(), verify_ms)
+        self.observe_verify(shape, verify_ms)
         if shape.drafting:
             self.draft.observe(shape.draft_features(), draft_ms)
 
     def step_ms(self, shape: StepShape) -> float:
-        ms = self.verify.predict(shape.verify_features())
+        ms = self.verify.predict(shape.verify_features(self.route_rows))
         if shape.drafting:
             ms += self.draft.predict(shape.draft_features())
         return max(ms, 1e-3)
@@ -260,10 +267,11 @@ def _choose(cands: list[Candidate], cap: int, lam: float, cost: LatencyModel) ->
     return ks
 
 
-def _small_shapes(cands: list[Candidate]) -> list[list[int]]:
-    """Every choice of k whose verify forward stays within ROUTE_ROWS rows (none past a few requests)."""
-    room = ROUTE_ROWS - len(cands)
-    if room < 0:
+def _small_shapes(cands: list[Candidate], route_rows: int) -> list[list[int]]:
+    """Every choice of k whose verify forward stays within `route_rows` rows (none past a few
+    requests, nor without a route step)."""
+    room = route_rows - len(cands)
+    if route_rows <= 0 or room < 0:
         return []
     ranges = [range(min(c.min_k, c.max_k), min(c.max_k, room // c.width if not c.trimmed else c.max_k) + 1)
               for c in cands]
@@ -295,7 +303,7 @@ def plan(cands: list[Candidate], cost: LatencyModel) -> Plan:
         tok, ms = evaluate(cands, ks, cost)
         if tok / ms > best_ratio * (1 + 1e-12):
             best, best_ratio = ks, tok / ms
-    for ks in _small_shapes(cands):
+    for ks in _small_shapes(cands, cost.route_rows):
         tok, ms = evaluate(cands, ks, cost)
         if tok / ms > best_ratio * (1 + 1e-12):
             best, best_ratio = ks, tok / ms

@@ -59,7 +59,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model", "vocab_size", "max_positions", "eos_token_ids", "role", "proposer", "device")
+    __slots__ = ("model", "vocab_size", "max_positions", "eos_token_ids", "role", "proposer", "device", "route_rows")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_POSITIONS_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,7 @@ class InfoResponse(_message.Message):
     ROLE_FIELD_NUMBER: _ClassVar[int]
     PROPOSER_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_ROWS_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     max_positions: int
@@ -74,7 +75,8 @@ class InfoResponse(_message.Message):
     role: str
     proposer: str
     device: str
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_positions: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., role: _Optional[str] = ..., proposer: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+    route_rows: int
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_positions: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., role: _Optional[str] = ..., proposer: _Optional[str] = ..., device: _Optional[str] = ..., route_rows: _Optional[int] = ...) -> None: ...
 
 class StateRequest(_message.Message):
     __slots__ = ()

@@ -201,3 +201,21 @@ def test_local_ngram_draft_equals_in_process_engine(tmp_path, home, stack, param
         assert drafted > 0  # the repeating prompts give the lookup something to propose
     finally:
         st.stop_all()
+
+
+def test_the_verifier_route_step_reaches_the_scheduler_cost_model(tmp_path, home, stack):
+    """The verifier reports its matmul route step (fixed here by SPECSERVE_MATMUL_SMALL_ROWS, timed
+    at load otherwise) in Info, and the scheduler's warm-up fits its latency model with it."""
+    st = Stack(tmp_path, stack_env(home, SPECSERVE_MATMUL_SMALL_ROWS="2"))
+    verifier = st.start("verifier", "--target", str(stack.target))
+    try:
+        st.wait_healthy(verifier)
+        with grpc.insecure_channel(verifier.addr) as ch:
+            info = verifier_pb2_grpc.VerifierServiceStub(ch).Info(common_pb2.InfoRequest(), timeout=5)
+        assert info.route_rows == 2
+        sched = st.start("scheduler", "--target", str(stack.target), "--draft-addrs", "local",
+                         "--verifier-addrs", verifier.addr)
+        st.wait_healthy(sched)
+        assert "rows > 2]" in sched.log.read_text()  # the warm-up line: verify ms = w . [1, batch, nodes, rows > 2]
+    finally:
+        st.stop_all()

@@ -5,7 +5,7 @@ import torch
 
 from services.common.llama import Chunk
 from services.common.loading import load_model
-from services.common.matmul import SMALL_ROWS
+from services.common.matmul import pick_small_rows
 from services.common.tree import DraftTree, forest_parents
 from tests import tiny
 
@@ -31,13 +31,17 @@ def test_logits_match_transformers(tmp_path, home, model_type):
     assert rel_err(torch.cat([ours, ours2]), ref) < 1e-4
 
 
-@pytest.mark.parametrize("rows", [1, SMALL_ROWS, SMALL_ROWS + 1, 16])
+SMALL = 3  # the route step the next test sets, as a 2-core Xeon's tuning chose
+
+
+@pytest.mark.parametrize("rows", [1, SMALL, SMALL + 1, 16])
 def test_both_matmul_routes_match_transformers(tmp_path, home, rows):
     """Chunks of a few rows take F.linear, longer ones oneDNN's blocked weights: both agree with HF."""
     path = tiny.make_checkpoint(tmp_path / "m", model_type="llama", seed=5)
     lm, hf = load_model(str(path)), tiny.hf_model(path)
     if torch.backends.mkldnn.is_available():
         assert lm.model.lm_head.packed is not None  # the blocked route exists and is exercised
+        lm.model.matmul.small_rows = SMALL
     ids = torch.randint(3, 64, (32,), generator=torch.Generator().manual_seed(1)).tolist()
     cache = lm.model.new_cache(64)
     ours = [lm.model.forward([Chunk(cache, ids[i : i + rows], causal(len(ids[i : i + rows])), 0)])[0]
@@ -161,3 +165,30 @@ def test_tree_attention_backend_is_the_kernel_only_on_cuda(monkeypatch, tiny_tar
     assert pick_tree_attention(torch.device("cpu"), torch.bfloat16, 128) is None
     monkeypatch.setattr(kernels, "kernel_available", lambda: False)
     assert pick_tree_attention(cuda, torch.bfloat16, 128) is None  # no CuPy: torch path
+
+
+def test_the_route_step_is_the_last_row_count_where_f_linear_wins():
+    asked = []
+
+    def timings(linear_wins_up_to):
+        def at(rows):
+            asked.append(rows)
+            return (1.0, 2.0) if rows <= linear_wins_up_to else (2.0, 1.0)
+        return at
+
+    assert pick_small_rows(timings(3)) == 3 and asked == [1, 2, 3, 4]  # stops at the first loss
+    assert pick_small_rows(timings(0)) == 0  # the blocked route from one row on
+    assert pick_small_rows(timings(100), max_rows=8) == 8
+    # A tie goes to the blocked route; a later win of F.linear after a loss does not count.
+    assert pick_small_rows(lambda r: (1.0, 1.0)) == 0
+    assert pick_small_rows(lambda r: (1.0, 2.0) if r in (1, 3) else (2.0, 1.0)) == 1
+
+
+def test_tuning_is_timed_at_load_or_fixed_by_the_environment(tmp_path, home, monkeypatch):
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN in this torch build: F.linear is the only route")
+    path = tiny.make_checkpoint(tmp_path / "m", model_type="llama", seed=5)
+    monkeypatch.setenv("SPECSERVE_MATMUL_SMALL_ROWS", "5")
+    assert load_model(str(path)).model.matmul.small_rows == 5
+    monkeypatch.delenv("SPECSERVE_MATMUL_SMALL_ROWS")
+    assert 0 <= load_model(str(path)).model.matmul.small_rows <= 8

@@ -10,8 +10,8 @@ from services.scheduler.policy import (Acceptance, Candidate, LatencyModel, Line
                                        expected_tokens, plan)
 
 
-def latency(verify=(30.0, 2.0, 2.0), draft=(2.0, 0.5, 0.5, 1.0)) -> LatencyModel:
-    return LatencyModel(verify_prior=verify, draft_prior=draft)
+def latency(verify=(30.0, 2.0, 2.0), draft=(2.0, 0.5, 0.5, 1.0), route_rows: int = 3) -> LatencyModel:
+    return LatencyModel(verify_prior=verify, draft_prior=draft, route_rows=route_rows)
 
 
 def brute_force(cands, cost):
@@ -34,7 +34,8 @@ def test_expected_tokens_closed_form():
 def test_plan_matches_brute_force_on_random_batches(seed):
     rng = random.Random(seed)
     cost = latency(verify=(rng.uniform(5, 50), rng.uniform(0, 5), rng.uniform(0.1, 8), rng.choice([0, 12, 40])),
-                   draft=(rng.uniform(0, 5), rng.uniform(0, 2), rng.uniform(0, 3), rng.uniform(0, 6)))
+                   draft=(rng.uniform(0, 5), rng.uniform(0, 2), rng.uniform(0, 3), rng.uniform(0, 6)),
+                   route_rows=rng.choice([0, 1, 3, 5]))
     cands = []
     for i in range(rng.randint(1, 4)):
         rates = [rng.uniform(0.0, 1.0) ** rng.choice([0.3, 1, 3]) for _ in range(5)]
@@ -45,13 +46,6 @@ def test_plan_matches_brute_force_on_random_batches(seed):
     assert got.tokens_per_s / 1e3 == pytest.approx(want_ratio, rel=1e-9), (got.k, want)
 
 
-def test_route_step_is_what_the_engine_has():
-    from services.common.matmul import SMALL_ROWS
-    from services.scheduler.policy import ROUTE_ROWS
-
-    assert ROUTE_ROWS == SMALL_ROWS
-
-
 def test_route_step_keeps_a_single_request_below_it():
     # 25 ms for up to 3 rows, then a 12 ms step: with acceptance 0.6 drafting 2 (3 rows) beats 4,
     # which the same costs without the step would pick.
@@ -59,6 +53,11 @@ def test_route_step_keeps_a_single_request_below_it():
     with_step = plan([Candidate("a", rates, max_k=4)], latency(verify=(25.0, 0.0, 1.0, 12.0), draft=(0, 0, 0, 0)))
     without = plan([Candidate("a", rates, max_k=4)], latency(verify=(25.0, 0.0, 1.0, 0.0), draft=(0, 0, 0, 0)))
     assert with_step.k == {"a": 2} and without.k == {"a": 4}
+    # A verifier with one matmul route at every row count (route_rows 0) has no step to avoid,
+    # whatever weight the prior gave it.
+    no_route = plan([Candidate("a", rates, max_k=4)], latency(verify=(25.0, 0.0, 1.0, 12.0), draft=(0, 0, 0, 0),
+                                                            route_rows=0))
+    assert no_route.k == {"a": 4}
 
 
 def test_plain_decoding_when_drafting_never_pays():

@@ -20,8 +20,8 @@ def chain(tokens: list[int], confs: list[float]) -> DraftTree:
     return t
 
 
-def latency(node_ms: float, one_ms: float = 20.0, route_ms: float = 0.0) -> LatencyModel:
-    return LatencyModel(verify_prior=(one_ms, 0.0, node_ms, route_ms))
+def latency(node_ms: float, one_ms: float = 20.0, route_ms: float = 0.0, route_rows: int = 3) -> LatencyModel:
+    return LatencyModel(verify_prior=(one_ms, 0.0, node_ms, route_ms), route_rows=route_rows)
 
 
 def test_confidence_is_sent_or_q_of_the_token():
