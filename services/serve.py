@@ -9,6 +9,7 @@ from services.common.grpc_server import GrpcServer
 from services.common.metrics import Registry, SchedulerMetrics, WorkerMetrics, cuda_memory
 from services.common.settings import split_addrs
 from services.common.tracing import setup_tracing
+from services.common.worker import model_thread, on_model_thread
 from specserve.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -36,15 +37,17 @@ async def serve_draft(args) -> None:
     from specserve.v1 import draft_pb2, draft_pb2_grpc
 
     # The target's weights are needed only when it drafts for itself; otherwise its tokenizer and
-    # configuration suffice (vocabulary check, context length).
-    target = load_model(args.target, device=args.device, dtype=args.dtype, weights=args.draft == "self")
-    proposer = build_proposer(args.draft, target, device=args.device, dtype=args.dtype,
-                              compression_ratio=float(args.compression_ratio),
-                              guard_points=float(args.slim_guard_points))
+    # configuration suffice (vocabulary check, context length). Loaded on the model thread (worker.py).
+    thread = model_thread("draft")
+    target = await on_model_thread(thread, load_model, args.target, device=args.device, dtype=args.dtype,
+                                   weights=args.draft == "self")
+    proposer = await on_model_thread(thread, build_proposer, args.draft, target, device=args.device,
+                                     dtype=args.dtype, compression_ratio=float(args.compression_ratio),
+                                     guard_points=float(args.slim_guard_points))
     if proposer is None:
         raise ValueError("a draft service needs a proposer: --draft ngram, self or a checkpoint path")
     servicer = DraftServicer(proposer, _worker_info("draft", target, args.device, proposer.name),
-                             _worker_metrics("draft", args))
+                             _worker_metrics("draft", args), thread)
     server = GrpcServer(args.host, int(args.port), [draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name])
     draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server.server)
     await server.run(float(args.grace_period))
@@ -56,9 +59,11 @@ async def serve_verifier(args) -> None:
     from services.verifier.verifier import Verifier
     from specserve.v1 import verifier_pb2, verifier_pb2_grpc
 
-    target = load_model(args.target, device=args.device, dtype=args.dtype)
-    servicer = VerifierServicer(Verifier(target.model), _worker_info("verifier", target, args.device),
-                                _worker_metrics("verifier", args))
+    thread = model_thread("verifier")  # loads the model too (worker.py: one OpenMP thread team)
+    target = await on_model_thread(thread, load_model, args.target, device=args.device, dtype=args.dtype)
+    verifier = await on_model_thread(thread, Verifier, target.model)
+    servicer = VerifierServicer(verifier, _worker_info("verifier", target, args.device),
+                                _worker_metrics("verifier", args), thread)
     server = GrpcServer(args.host, int(args.port),
                         [verifier_pb2.DESCRIPTOR.services_by_name["VerifierService"].full_name])
     verifier_pb2_grpc.add_VerifierServiceServicer_to_server(servicer, server.server)

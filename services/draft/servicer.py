@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from services.common import codec
 from services.common.metrics import CallbackCounter, WorkerMetrics
@@ -12,9 +13,10 @@ from specserve.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
-    def __init__(self, proposer: Proposer, info: common_pb2.InfoResponse, metrics: WorkerMetrics | None = None):
+    def __init__(self, proposer: Proposer, info: common_pb2.InfoResponse, metrics: WorkerMetrics | None = None,
+                 executor: ThreadPoolExecutor | None = None):
         self.proposer = proposer
-        self.worker = StepWorker(info, 0, proposer.release, proposer.cache_bytes, metrics)
+        self.worker = StepWorker(info, 0, proposer.release, proposer.cache_bytes, metrics, executor)
         slim_state = getattr(proposer, "slim_state", None)
         if metrics is not None and slim_state is not None:  # SlimSpec guard: slim -> full head switches
             CallbackCounter(metrics.registry, "specserve:slimspec_fallbacks",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from services.common import codec
 from services.common.metrics import WorkerMetrics
@@ -13,9 +14,10 @@ from specserve.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
-    def __init__(self, verifier: Verifier, info: common_pb2.InfoResponse, metrics: WorkerMetrics | None = None):
+    def __init__(self, verifier: Verifier, info: common_pb2.InfoResponse, metrics: WorkerMetrics | None = None,
+                 executor: ThreadPoolExecutor | None = None):
         self.verifier = verifier
-        self.worker = StepWorker(info, 1, verifier.release, verifier.cache_bytes, metrics)
+        self.worker = StepWorker(info, 1, verifier.release, verifier.cache_bytes, metrics, executor)
 
     def _step(self, step: verifier_pb2.VerifyStep) -> verifier_pb2.VerifyResult:
         started = time.perf_counter()
