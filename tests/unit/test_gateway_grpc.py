@@ -163,6 +163,8 @@ def test_the_client_deadline_becomes_the_scheduler_call_deadline():
 
     code, fake, quick = asyncio.run(go())
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert fake.time_remaining[0] is not None and 0 < fake.time_remaining[0] <= 1.0
+    # The client's 1 s, less the time spent on the way; gRPC's wire encoding of a timeout "may round
+    # up" (grpc core, timeout_encoding.h: never early), so each hop may add a little (1.0097 seen).
+    assert fake.time_remaining[0] is not None and 0 < fake.time_remaining[0] <= 1.1
     assert fake.cancelled == [fake.requests[0].request_id]
     assert quick.finish_reason == "length" and fake.time_remaining[1] is None
