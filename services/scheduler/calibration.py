@@ -1,9 +1,11 @@
 """Warm-up: measure what a step costs before serving, to seed the controller's latency model.
 
-Synthetic requests (fixed token ids) go through the real path: for each tree size n a fresh
-request is prefilled (not measured), then verified a few times with an n-node chain, and drafted
-to each depth k; each shape is one observation, the median of its runs after the first. The
-same plan runs over gRPC (the scheduler at start) and in-process (the engine).
+Synthetic requests (fixed token ids) go through the real path: one request per tree size n is
+prefilled (not measured), then every size is verified with an n-node chain in rounds, one size
+after another within a round, so that a machine whose speed drifts shifts every size alike
+instead of tilting the fitted cost per node; then each is drafted to each depth k. Each shape is
+one observation, the median of its runs after the first. The same plan runs over gRPC (the
+scheduler at start) and in-process (the engine).
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ from specserve.v1 import draft_pb2, verifier_pb2
 log = logging.getLogger(__name__)
 
 PROMPT_LEN = 16
-# Timed runs per shape. The first is dropped (a new row count can build kernels on first use, e.g.
-# oneDNN's for the blocked weights); the median of the rest is what the fit sees.
-REPEATS = 4
+# Timed rounds over the sizes. The first is dropped (a new row count can build kernels on first
+# use, e.g. oneDNN's for the blocked weights); the median of the rest is what the fit sees.
+REPEATS = 6
+# Up to this many nodes every size is measured; above it a spread of sizes.
+EVERY_SIZE_UP_TO = 8
 
 
 def synthetic_prompt(vocab_size: int, salt: int = 0) -> list[int]:
@@ -44,8 +48,10 @@ def synthetic_chain(n: int, vocab_size: int) -> DraftTree:
 
 def tree_sizes(max_k: int, width: int, route_rows: int) -> list[int]:
     top = max_k * width
+    if top <= EVERY_SIZE_UP_TO:
+        return list(range(top + 1))
     # route_rows nodes + the pending token: the first forward past the route step (if any)
-    sizes = {0, 1, 2, top // 2, top} | ({route_rows} if route_rows else set())
+    sizes = {0, 1, 2, top // 4, top // 2, 3 * top // 4, top} | ({route_rows} if route_rows else set())
     return sorted(n for n in sizes if n <= top)
 
 
@@ -58,44 +64,54 @@ def settled(times: list[float]) -> float:
     return statistics.median(times[1:] or times)
 
 
+def _log_fit(latency: LatencyModel) -> None:
+    step = f"rows > {latency.route_rows}" if latency.route_rows else "no route step"
+    log.info("warm-up: verify ms = %s . [1, batch, nodes, %s]; draft ms = %s . [1, drafting, nodes, depth]",
+             [round(w, 2) for w in latency.verify.weights], step, [round(w, 2) for w in latency.draft.weights])
+
+
 async def calibrate_remote(latency: LatencyModel, verify: Callable[[object], Awaitable[object]],
                            propose: Callable[[object], Awaitable[object]] | None, vocab_size: int,
                            max_k: int, width: int) -> None:
     """Over gRPC: `verify` / `propose` send one VerifyStep / ProposeStep to a replica and return
     its result (the step streams of one verifier and one draft replica)."""
     params = codec.params_to_pb(SamplingParams(max_tokens=PROMPT_LEN * 4))
-    for salt, n in enumerate(tree_sizes(max_k, width, latency.route_rows)):
-        rid = f"__calibration_{n}__"
-        tokens = synthetic_prompt(vocab_size, salt)
-        sent, times = 0, []
-        for rep in range(REPEATS + 1):  # the first round is the prefill
-            tree = synthetic_chain(n if rep else 0, vocab_size)
-            item = verifier_pb2.VerifyItem(request_id=rid, offset=sent, tokens=tokens[sent:],
-                                           tree=codec.tree_to_pb(tree), params=params)
+    sizes = tree_sizes(max_k, width, latency.route_rows)
+    tokens = {n: synthetic_prompt(vocab_size, salt) for salt, n in enumerate(sizes)}
+    sent = dict.fromkeys(sizes, 0)
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for rnd in range(REPEATS + 1):  # round 0 is the prefill
+        for n in sizes:
+            item = verifier_pb2.VerifyItem(request_id=f"__calibration_{n}__", offset=sent[n],
+                                           tokens=tokens[n][sent[n]:],
+                                           tree=codec.tree_to_pb(synthetic_chain(n if rnd else 0, vocab_size)),
+                                           params=params)
             t0 = time.perf_counter()
             res = await verify(verifier_pb2.VerifyStep(items=[item]))
-            times.append(_ms(t0))
-            sent = len(tokens)
-            tokens = tokens + list(res.verdicts[0].tokens)
-        latency.observe_verify(StepShape(1, 0, n, 0), settled(times[1:]))
-        await verify(verifier_pb2.VerifyStep(release=[rid]))
-        if propose is None or n == 0:
+            if rnd:
+                times[n].append(_ms(t0))
+            sent[n] = len(tokens[n])
+            tokens[n] = tokens[n] + list(res.verdicts[0].tokens)
+    for n in sizes:
+        latency.observe_verify(StepShape(1, 0, n, 0), settled(times[n]))
+    await verify(verifier_pb2.VerifyStep(release=[f"__calibration_{n}__" for n in sizes]))
+    for n in sizes if propose is not None else []:
+        if n == 0:
             continue
-        k, times = min(max_k, n), []
+        rid, k, runs = f"__calibration_{n}__", min(max_k, n), []
         for rep in range(REPEATS + 1):
             first = rep == 0  # sends the tokens; later rounds propose again from the same ones
-            item = draft_pb2.ProposeItem(request_id=rid, offset=0 if first else len(tokens),
-                                         tokens=tokens if first else [], draft_length=k, tree_size=n, params=params)
+            item = draft_pb2.ProposeItem(request_id=rid, offset=0 if first else len(tokens[n]),
+                                         tokens=tokens[n] if first else [], draft_length=k, tree_size=n,
+                                         params=params)
             t0 = time.perf_counter()
             res = await propose(draft_pb2.ProposeStep(items=[item]))
-            times.append(_ms(t0))
+            runs.append(_ms(t0))
             nodes = len(res.proposals[0].tree.tokens)
         if nodes:  # the same tokens each round: the same tree
-            latency.draft.observe(StepShape(1, 1, nodes, k).draft_features(), settled(times[1:]))
+            latency.draft.observe(StepShape(1, 1, nodes, k).draft_features(), settled(runs[1:]))
         await propose(draft_pb2.ProposeStep(release=[rid]))
-    step = f"rows > {latency.route_rows}" if latency.route_rows else "no route step"
-    log.info("warm-up: verify ms = %s . [1, batch, nodes, %s]; draft ms = %s . [1, drafting, nodes, depth]",
-             [round(w, 2) for w in latency.verify.weights], step, [round(w, 2) for w in latency.draft.weights])
+    _log_fit(latency)
 
 
 def calibrate_local(latency: LatencyModel, verifier, proposer, vocab_size: int, max_k: int, width: int) -> None:
@@ -104,25 +120,29 @@ def calibrate_local(latency: LatencyModel, verifier, proposer, vocab_size: int, 
     from services.verifier.verifier import VerifyItem
 
     params = SamplingParams(max_tokens=PROMPT_LEN * 4)
-    for salt, n in enumerate(tree_sizes(max_k, width, latency.route_rows)):
-        rid = f"__calibration_{n}__"
-        tokens = synthetic_prompt(vocab_size, salt)
-        times = []
-        for rep in range(REPEATS + 1):  # the first round is the prefill
+    sizes = tree_sizes(max_k, width, latency.route_rows)
+    tokens = {n: synthetic_prompt(vocab_size, salt) for salt, n in enumerate(sizes)}
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for rnd in range(REPEATS + 1):  # round 0 is the prefill
+        for n in sizes:
             t0 = time.perf_counter()
-            verdict = verifier.verify([VerifyItem(rid, tokens, synthetic_chain(n if rep else 0, vocab_size),
-                                                  params, None)])[0]
-            times.append(_ms(t0))
-            tokens = tokens + list(verdict.tokens)
-        latency.observe_verify(StepShape(1, 0, n, 0), settled(times[1:]))
-        verifier.release(rid)
-        if proposer is None or n == 0:
+            verdict = verifier.verify([VerifyItem(f"__calibration_{n}__", tokens[n],
+                                                  synthetic_chain(n if rnd else 0, vocab_size), params, None)])[0]
+            if rnd:
+                times[n].append(_ms(t0))
+            tokens[n] = tokens[n] + list(verdict.tokens)
+    for n in sizes:
+        latency.observe_verify(StepShape(1, 0, n, 0), settled(times[n]))
+        verifier.release(f"__calibration_{n}__")
+    for n in sizes if proposer is not None else []:
+        if n == 0:
             continue
-        k, times = min(max_k, n), []
-        for rep in range(REPEATS + 1):
+        rid, k, runs = f"__calibration_{n}__", min(max_k, n), []
+        for _ in range(REPEATS + 1):
             t0 = time.perf_counter()
-            tree = proposer.propose([ProposeItem(rid, tokens, k, n, params, None)])[0]
-            times.append(_ms(t0))
+            tree = proposer.propose([ProposeItem(rid, tokens[n], k, n, params, None)])[0]
+            runs.append(_ms(t0))
         if len(tree):  # the same tokens each round: the same tree
-            latency.draft.observe(StepShape(1, 1, len(tree), k).draft_features(), settled(times[1:]))
+            latency.draft.observe(StepShape(1, 1, len(tree), k).draft_features(), settled(runs[1:]))
         proposer.release(rid)
+    _log_fit(latency)

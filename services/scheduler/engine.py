@@ -148,7 +148,8 @@ class Engine:
             shape = StepShape(len(batch), sum(1 for k, _ in budgets if k), proposed[0], proposed[1],
                               verified=sum(len(t) for t in trees))
             self.controller.observe(shape, (t1 - t0) * 1e3, (t2 - t1) * 1e3, {
-                r.req_id: (d, len(v.accepted_nodes), len(v.tokens)) for r, d, v in zip(batch, depths, verdicts)})
+                r.req_id: (d, len(v.accepted_nodes), len(v.tokens)) for r, d, v in zip(batch, depths, verdicts)},
+                prefill=any(r.stats.steps == 0 for r in batch))
             for i, (tree, d, v) in enumerate(zip(trees, depths, verdicts)):
                 if confs is not None and confs[i] is not None:
                     self.controller.observe_nodes(batch[i].req_id, tree, confs[i], v.accepted_nodes)

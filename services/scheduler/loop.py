@@ -252,10 +252,14 @@ class SchedulerLoop:
                 if rep is not None:
                     draft_groups.setdefault(rep, []).append(lv)
 
+        prefills: set[str] = set()  # requests a worker receives from their first token this step
+
         def build_propose(rep, lives, release):
             items = []
             for lv in lives:
                 offset, new = self._new_tokens(rep, lv)
+                if offset == 0:
+                    prefills.add(lv.req.req_id)
                 k, tree_size = budgets[lv.req.req_id]
                 items.append(draft_pb2.ProposeItem(request_id=lv.req.req_id, offset=offset, tokens=new,
                                                    draft_length=k, tree_size=tree_size, params=lv.params_pb,
@@ -291,6 +295,8 @@ class SchedulerLoop:
             items = []
             for lv in lives:
                 offset, new = self._new_tokens(rep, lv)
+                if offset == 0:
+                    prefills.add(lv.req.req_id)
                 tree = trees.get(lv.req.req_id, DraftTree())
                 items.append(verifier_pb2.VerifyItem(request_id=lv.req.req_id, offset=offset, tokens=new,
                                                      tree=codec.tree_to_pb(tree), params=lv.params_pb,
@@ -340,7 +346,7 @@ class SchedulerLoop:
         if self.controller is not None and outcomes:
             shape = StepShape(len(batch), sum(len(v) for v in draft_groups.values()), proposed[0], proposed[1],
                               verified=sum(len(t) for t in trees.values()))
-            self.controller.observe(shape, (t1 - t0) * 1e3, (t2 - t1) * 1e3, outcomes)
+            self.controller.observe(shape, (t1 - t0) * 1e3, (t2 - t1) * 1e3, outcomes, prefill=bool(prefills))
         for lv in finished:
             self._retire(lv)
         self.telemetry.flush()

@@ -99,3 +99,18 @@ def test_trimmed_ngram_trees_sample_the_target_distribution(tmp_path_factory, ho
     assert 0 < c.kept_nodes < c.proposed_nodes
     assert 0 < sum(r.stats.accepted for r in reqs) < sum(r.stats.drafted for r in reqs)
     dist.assert_matches(counts, dist.exact_distribution(tiny.hf_model(target_dir), params))
+
+
+def test_prefill_steps_stay_out_of_the_latency_model(models):
+    """A request's first step runs its prompt: its time would read as a costly step with few draft
+    nodes. The engine keeps it out of the fit, and learns from the decode steps after it."""
+    target, _, _ = models
+    engine = Engine(target, NgramProposer(), EngineConfig(draft_length="adaptive"))
+    engine._calibrated = True  # no warm-up: every sample the fit has comes from the steps below
+    fit = engine.controller.latency.verify
+    req = engine.add_request(list(range(3, 60)), SamplingParams(max_tokens=6))
+    engine.step()  # the prefill
+    assert fit.samples == 0
+    while not req.finished:
+        engine.step()
+    assert fit.samples == req.stats.steps - 1
