@@ -69,9 +69,9 @@ def main() -> None:
 
     m = report.meta(sys.argv)
     small = model.matmul.small_rows
+    route = f"F.linear up to {small} rows, oneDNN blocked above" if small else "oneDNN blocked at every row count"
     lines = [f"One step's matmuls over every weight of {args.target} ({nbytes / 1e6:.0f} MB fp32), ms, "
-             f"median of {args.repeats} interleaved repeats; the engine tuned itself at load to take F.linear "
-             f"up to {small} rows, oneDNN blocked above. Memory floor: {1000 * floor_s:.1f} ms "
+             f"median of {args.repeats} interleaved repeats; at load the engine tuned itself to take {route}. Memory floor: {1000 * floor_s:.1f} ms "
              f"(summing one {nbytes / 1e6:.0f} MB buffer, {nbytes / floor_s / 1e9:.1f} GB/s). {report.stamp(m)}.",
              "", "| rows | " + " | ".join(routes) + " | engine |", "| --- |" + " --- |" * (len(routes) + 1)]
     for rows, ms in rows_ms.items():
