@@ -21,6 +21,7 @@ from services.draft.proposer import ProposeItem, Proposer
 
 class NgramProposer(Proposer):
     name = "ngram"
+    runs_model = False
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, max_continuations: int = 8,
                  max_matches: int = 32):

@@ -27,6 +27,7 @@ class Proposer(ABC):
 
     name = "proposer"
     max_positions: int | None = None  # the draft's context, when it has one
+    runs_model = True  # False: no torch work (a draft service then steps it on its event loop)
 
     @abstractmethod
     def propose(self, items: list[ProposeItem]) -> list[DraftTree]:

@@ -16,7 +16,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     def __init__(self, proposer: Proposer, info: common_pb2.InfoResponse, metrics: WorkerMetrics | None = None,
                  executor: ThreadPoolExecutor | None = None):
         self.proposer = proposer
-        self.worker = StepWorker(info, 0, proposer.release, proposer.cache_bytes, metrics, executor)
+        self.worker = StepWorker(info, 0, proposer.release, proposer.cache_bytes, metrics, executor,
+                                 inline=not proposer.runs_model)
         slim_state = getattr(proposer, "slim_state", None)
         if metrics is not None and slim_state is not None:  # SlimSpec guard: slim -> full head switches
             CallbackCounter(metrics.registry, "specserve:slimspec_fallbacks",
