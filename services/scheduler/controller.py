@@ -31,6 +31,10 @@ class ControllerConfig:
     max_draft_length: int = 4
     tree_width: int = 1  # draft nodes per level (1 = chains); a request's tree budget is k * width
     adjust_interval_ms: float = 0.0  # re-plan at most this often (0 = every step)
+    # A request whose draft has not reached past its planned k for this many steps drafts one
+    # level deeper for a step (a probe): a pessimistic estimate (a request class's shared prior
+    # after a run of bad drafts) is re-measured instead of holding it at that k for ever.
+    probe_interval: int = 16
     rejection_alert: float = 0.85  # warn when more than this share of draft tokens is rejected
     log_interval_s: float = 10.0  # at most one line per kind per interval
     route_rows: int = 0  # the verifier's matmul route step (policy.LatencyModel; 0 = none)
@@ -43,6 +47,8 @@ class ControllerConfig:
             raise ValueError(f"tree_width must be >= 1, got {self.tree_width}")
         if self.adjust_interval_ms < 0:
             raise ValueError(f"adjust_interval_ms must be >= 0, got {self.adjust_interval_ms}")
+        if self.probe_interval < 1:
+            raise ValueError(f"probe_interval must be >= 1, got {self.probe_interval}")
 
 
 @dataclass
@@ -73,18 +79,24 @@ class DraftController:
         self.observed_tokens = 0  # their actual output tokens
         self.calibration = NodeCalibration()  # node confidence -> acceptance, for trimming
         self.trimmed: dict[str, bool] = {}  # request -> its last tree could be trimmed
+        self.idle: dict[str, int] = {}  # request -> steps since its draft last reached past its planned k
         self.scales: dict[str, RequestScale] = {}  # request -> how its nodes fare vs the calibration
         self.proposed_nodes = 0  # draft nodes proposed, and kept for verification after trimming
         self.kept_nodes = 0
 
     # -- requests ------------------------------------------------------------------------------
-    def add(self, req_id: str, request_class: str = "default") -> None:
+    def add(self, req_id: str, request_class: str = "default", greedy: bool = False) -> None:
+        """A new request; `greedy`: its trees are known to be trimmable from the first step
+        (trim.trimmable), so the planner prices its depth at the drafting cost alone."""
         self.classes[req_id] = request_class
         self.accept[req_id] = Acceptance(self.config.max_draft_length, self.priors(request_class))
+        if greedy:
+            self.trimmed[req_id] = True
+        self.idle[req_id] = 0
         self._planned_at = -math.inf  # a newcomer gets a plan at once
 
     def remove(self, req_id: str) -> None:
-        for d in (self.accept, self.classes, self.current, self.trimmed, self.scales):
+        for d in (self.accept, self.classes, self.current, self.trimmed, self.scales, self.idle):
             d.pop(req_id, None)
 
     # -- choosing -------------------------------------------------------------------------------
@@ -108,6 +120,8 @@ class DraftController:
         out = {}
         for rid, cap in caps.items():
             k = max(0, min(self.current.get(rid, 0), cap))
+            if k < cap and self.idle.get(rid, 0) >= self.config.probe_interval:
+                k += 1  # a probe, this step only (see ControllerConfig.probe_interval)
             out[rid] = Decision(k, k * self.config.tree_width)
         return out
 
@@ -156,6 +170,7 @@ class DraftController:
             acc = self.accept.get(rid)
             if acc is None:
                 continue
+            self.idle[rid] = 0 if depth > self.current.get(rid, 0) else self.idle.get(rid, 0) + 1
             self.predicted_tokens += expected_tokens(acc.rates(), depth)
             self.observed_tokens += output
             acc.observe(depth, accepted)

@@ -95,6 +95,8 @@ class Engine:
         tree = k if cfg.tree_size is None else cfg.tree_size
         req = Request(req_id or f"req-{next(self._ids)}", prompt_ids, params, self.tokenizer,
                       self.eos_token_ids, draft_length=k, tree_size=tree)
+        if self.controller is not None:
+            self.controller.add(req.req_id, greedy=params.greedy)
         self.waiting.append(req)
         return req
 

@@ -109,7 +109,7 @@ class SchedulerLoop:
         self.admission.enqueue(req_id, reservation(len(prompt_ids), params.max_tokens, min(max_tree, 256)),
                                params.max_tokens)
         if live.fixed_k is None:
-            self.controller.add(req_id, live.request_class)
+            self.controller.add(req_id, live.request_class, greedy=params.greedy)
         self.by_id[req_id] = live
         self.waiting.append(live)
         self.wake.set()
