@@ -35,3 +35,21 @@ def test_confidence_grows_with_agreeing_and_longer_matches():
     split = p.tree([7, 5, 9, 7, 6, 9, 7], draft_length=1, tree_size=2)  # 7 was followed by 5 and by 6
     assert sorted(split.tokens) == [5, 6] and max(split.confidence) <= 0.5
     assert all(0 < c < 1 for c in once.confidence + twice.confidence + split.confidence)
+
+
+def test_a_match_is_as_long_as_the_context_agrees_and_the_longest_comes_first():
+    p = NgramProposer(max_ngram=3, min_ngram=1)
+    # The last 3 tokens [1, 2, 3] occur at 2 (after 8 5, as at the end: 5 tokens agree) and,
+    # more recently, at 8 (after 9: 3 tokens).
+    tokens = [8, 5, 1, 2, 3, 4, 0, 9, 1, 2, 3, 6, 0, 8, 5, 1, 2, 3]
+    found = p.matches(tokens, 2)
+    assert found[:2] == [((4, 0), 5), ((6, 0), 3)]
+    assert p.continuations(tokens, 2)[0] == [4, 0]
+
+
+def test_a_longer_match_gives_more_confidence():
+    p = NgramProposer(max_ngram=3, min_ngram=3)
+    short = p.tree([7, 1, 2, 3, 4, 9, 1, 2, 3], draft_length=1, tree_size=1)  # 3 tokens agree
+    long = p.tree([5, 6, 1, 2, 3, 4, 9, 5, 6, 1, 2, 3], draft_length=1, tree_size=1)  # 5 agree
+    assert short.tokens == long.tokens == [4]
+    assert short.confidence == [3 / 4] and long.confidence == [5 / 6]
