@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from services.common import codec
 from services.common.sampling import SamplingParams
 from services.common.tree import DraftTree
-from services.scheduler.policy import LatencyModel, StepShape
+from services.scheduler.policy import LatencyModel, RowCurve, StepShape
 from specserve.v1 import draft_pb2, verifier_pb2
 
 log = logging.getLogger(__name__)
@@ -27,8 +27,10 @@ PROMPT_LEN = 16
 # Timed rounds over the sizes. The first is dropped (a new row count can build kernels on first
 # use, e.g. oneDNN's for the blocked weights); the median of the rest is what the fit sees.
 REPEATS = 6
-# Up to this many nodes every size is measured; above it a spread of sizes.
-EVERY_SIZE_UP_TO = 8
+# Every tree size up to this many nodes is measured, whatever the largest tree (the verify cost
+# is not linear in rows: policy.RowCurve; a batch's forward has more rows than one tree); above
+# it a spread of sizes up to the largest tree.
+EVERY_SIZE_UP_TO = 16
 
 
 def synthetic_prompt(vocab_size: int, salt: int = 0) -> list[int]:
@@ -47,12 +49,20 @@ def synthetic_chain(n: int, vocab_size: int) -> DraftTree:
 
 
 def tree_sizes(max_k: int, width: int, route_rows: int) -> list[int]:
+    """Tree sizes the warm-up verifies (the draft is timed at those up to the largest tree)."""
     top = max_k * width
-    if top <= EVERY_SIZE_UP_TO:
-        return list(range(top + 1))
     # route_rows nodes + the pending token: the first forward past the route step (if any)
-    sizes = {0, 1, 2, top // 4, top // 2, 3 * top // 4, top} | ({route_rows} if route_rows else set())
-    return sorted(n for n in sizes if n <= top)
+    spread = {top // 4, top // 2, 3 * top // 4, top} | ({route_rows} if route_rows else set())
+    return sorted(set(range(EVERY_SIZE_UP_TO + 1)) | {n for n in spread if n <= top})
+
+
+def fit_verify(latency: LatencyModel, times: dict[int, list[float]]) -> None:
+    """The row curve from the warm-up's verify times per tree size (batch 1: rows = nodes + 1),
+    then those times as the fit's first observations."""
+    cost = {n: settled(ts) for n, ts in times.items()}
+    latency.set_curve(RowCurve({n + 1: ms - cost[0] for n, ms in cost.items()}))
+    for n, ms in cost.items():
+        latency.observe_verify(StepShape(1, 0, n, 0), ms)
 
 
 def _ms(t0: float) -> float:
@@ -66,8 +76,11 @@ def settled(times: list[float]) -> float:
 
 def _log_fit(latency: LatencyModel) -> None:
     step = f"rows > {latency.route_rows}" if latency.route_rows else "no route step"
-    log.info("warm-up: verify ms = %s . [1, batch, nodes, %s]; draft ms = %s . [1, drafting, nodes, depth]",
-             [round(w, 2) for w in latency.verify.weights], step, [round(w, 2) for w in latency.draft.weights])
+    curve = latency.curve
+    shape = ", ".join(f"{r}: +{curve(r):.1f}" for r in (2, 5, 9, 17)) if curve is not None else "none"
+    log.info("warm-up: verify ms = %s . [1, batch, nodes, %s, row curve (ms over 1 row at rows %s)]; "
+             "draft ms = %s . [1, drafting, nodes, depth]", [round(w, 2) for w in latency.verify.weights], step,
+             shape, [round(w, 2) for w in latency.draft.weights])
 
 
 async def calibrate_remote(latency: LatencyModel, verify: Callable[[object], Awaitable[object]],
@@ -92,11 +105,10 @@ async def calibrate_remote(latency: LatencyModel, verify: Callable[[object], Awa
                 times[n].append(_ms(t0))
             sent[n] = len(tokens[n])
             tokens[n] = tokens[n] + list(res.verdicts[0].tokens)
-    for n in sizes:
-        latency.observe_verify(StepShape(1, 0, n, 0), settled(times[n]))
+    fit_verify(latency, times)
     await verify(verifier_pb2.VerifyStep(release=[f"__calibration_{n}__" for n in sizes]))
     for n in sizes if propose is not None else []:
-        if n == 0:
+        if n == 0 or n > max_k * width:
             continue
         rid, k, runs = f"__calibration_{n}__", min(max_k, n), []
         for rep in range(REPEATS + 1):
@@ -131,11 +143,11 @@ def calibrate_local(latency: LatencyModel, verifier, proposer, vocab_size: int, 
             if rnd:
                 times[n].append(_ms(t0))
             tokens[n] = tokens[n] + list(verdict.tokens)
+    fit_verify(latency, times)
     for n in sizes:
-        latency.observe_verify(StepShape(1, 0, n, 0), settled(times[n]))
         verifier.release(f"__calibration_{n}__")
     for n in sizes if proposer is not None else []:
-        if n == 0:
+        if n == 0 or n > max_k * width:
             continue
         rid, k, runs = f"__calibration_{n}__", min(max_k, n), []
         for _ in range(REPEATS + 1):

@@ -34,6 +34,39 @@ from dataclasses import dataclass, field
 # Xeon F.linear streams the weights at memory speed up to 3 rows, then a slower route starts
 # (~26 -> ~38 ms for the default model). The latency model charges that step as a term of its
 # own; route_rows = 0 means one route at every row count (no step).
+#
+# Within a route the cost is not linear in rows either: on a 2-core AMD EPYC oneDNN's blocked
+# matmul costs about the same from 2 to 6 rows and steps up near 7, 13 and 17 (default model,
+# verify ms 17.1 at 1 row, ~18.6 at 2-6, ~21-23 at 7-12, ~25 at 13-17, 2026-12-01). The warm-up
+# measures that shape (`RowCurve`, batch 1, every tree size up to CURVE_ROWS) and the fit
+# weighs it as one more feature, so trimming sees which nodes are nearly free.
+
+
+class RowCurve:
+    """Extra verify ms of a forward with r rows over one with 1, measured at warm-up: linear
+    between the measured row counts, non-decreasing (a noisy point never makes more rows look
+    cheaper), and beyond the last one the average slope of the whole curve."""
+
+    def __init__(self, points: dict[int, float]):
+        rows = sorted(r for r in points if r >= 1)
+        if not rows or rows[0] != 1:
+            rows = [1] + rows
+        self.rows, self.ms = rows, []
+        top = 0.0
+        for r in rows:
+            top = max(top, points.get(r, 0.0) if r > 1 else 0.0)
+            self.ms.append(top)
+        span = rows[-1] - 1
+        self.slope = self.ms[-1] / span if span else 0.0
+
+    def __call__(self, rows: int) -> float:
+        if rows <= 1:
+            return 0.0
+        if rows >= self.rows[-1]:
+            return self.ms[-1] + (rows - self.rows[-1]) * self.slope
+        hi = next(i for i, r in enumerate(self.rows) if r >= rows)
+        r0, r1, m0, m1 = self.rows[hi - 1], self.rows[hi], self.ms[hi - 1], self.ms[hi]
+        return m0 + (m1 - m0) * (rows - r0) / (r1 - r0)
 
 
 @dataclass(frozen=True)
@@ -54,11 +87,14 @@ class StepShape:
     def verified_nodes(self) -> int:
         return self.nodes if self.verified is None else self.verified
 
-    def verify_features(self, route_rows: int) -> tuple[float, ...]:
-        """[1, batch, verified nodes, past the route step?] for a verifier whose matmul changes
-        route past `route_rows` rows (0: never)."""
-        large = route_rows > 0 and (self.large or self.batch + self.verified_nodes > route_rows)
-        return (1.0, float(self.batch), float(self.verified_nodes), 1.0 if large else 0.0)
+    def verify_features(self, route_rows: int, curve: RowCurve | None = None) -> tuple[float, ...]:
+        """[1, batch, verified nodes, past the route step?, the row curve at batch + nodes] for a
+        verifier whose matmul changes route past `route_rows` rows (0: never); the last is 0
+        without a measured curve."""
+        rows = self.batch + self.verified_nodes
+        large = route_rows > 0 and (self.large or rows > route_rows)
+        return (1.0, float(self.batch), float(self.verified_nodes), 1.0 if large else 0.0,
+                curve(rows) if curve is not None else 0.0)
 
     def draft_features(self) -> tuple[float, ...]:
         return (1.0, float(self.drafting), float(self.nodes), float(self.depth))
@@ -126,21 +162,33 @@ class LinearFit:
 
 
 class LatencyModel:
-    """Predicted step latency in ms: verify(batch, nodes, route step) + draft(drafting, nodes, depth).
-    `verify_prior` may leave out the route step's weight (then 0); `route_rows` is the verifier's
-    (0: no route step)."""
+    """Predicted step latency in ms: verify(batch, nodes, route step, row curve) + draft(drafting,
+    nodes, depth). `verify_prior` may leave out the last weights (route step 0, row curve 1);
+    `route_rows` is the verifier's (0: no route step); `set_curve` adds the measured row curve."""
 
     def __init__(self, verify_prior: tuple[float, ...] = (30.0, 2.0, 2.0, 0.0),
                  draft_prior: tuple[float, ...] = (2.0, 0.5, 0.5, 1.0), route_rows: int = 0):
-        self.verify = LinearFit(tuple(verify_prior) + (0.0,) * (4 - len(verify_prior)))
+        self.verify = LinearFit((tuple(verify_prior) + (0.0, 1.0)[len(verify_prior) - 3:])[:5])
         self.draft = LinearFit(draft_prior)
         self.route_rows = route_rows
+        self.curve: RowCurve | None = None
+
+    def set_curve(self, curve: RowCurve) -> None:
+        """Use a measured row curve from now on (before the warm-up's observations: they are
+        fitted with it)."""
+        self.curve = curve
 
     def verify_ms(self, batch: int, nodes: int) -> float:
-        return self.verify.predict(StepShape(batch, 0, nodes, 0).verify_features(self.route_rows))
+        return self.verify.predict(StepShape(batch, 0, nodes, 0).verify_features(self.route_rows, self.curve))
+
+    def node_ms(self) -> float:
+        """Verify ms per node, with the row curve taken at its average slope (the planner's
+        linear view of it)."""
+        w = self.verify.weights
+        return w[2] + (w[4] * self.curve.slope if self.curve is not None else 0.0)
 
     def observe_verify(self, shape: StepShape, verify_ms: float) -> None:
-        self.verify.observe(shape.verify_features(self.route_rows), verify_ms)
+        self.verify.observe(shape.verify_features(self.route_rows, self.curve), verify_ms)
 
     def observe(self, shape: StepShape, draft_ms: float, verify_ms: float) -> None:
         self.observe_verify(shape, verify_ms)
@@ -148,7 +196,7 @@ class LatencyModel:
             self.draft.observe(shape.draft_features(), draft_ms)
 
     def step_ms(self, shape: StepShape) -> float:
-        ms = self.verify.predict(shape.verify_features(self.route_rows))
+        ms = self.verify.predict(shape.verify_features(self.route_rows, self.curve))
         if shape.drafting:
             ms += self.draft.predict(shape.draft_features())
         return max(ms, 1e-3)
@@ -218,6 +266,15 @@ class Candidate:
     # Its tree is trimmed once proposed (trim.py): only nodes that pay for their verification are
     # verified, so proposing deeper costs drafting only.
     trimmed: bool = False
+    gains: list[float] = field(init=False, repr=False)  # gains[k] = E(k) for k = 0..max_k
+
+    def __post_init__(self):
+        total, reach = 1.0, 1.0
+        self.gains = [total]
+        for d in range(max(self.max_k, 0)):
+            reach *= self.rates[d]
+            total += reach
+            self.gains.append(total)
 
 
 @dataclass
@@ -245,18 +302,18 @@ def evaluate(cands: list[Candidate], ks: list[int], cost: LatencyModel,
     """(expected output tokens, predicted step ms) of a choice of k per request (with the
     draft's depth term charged at `depth` instead of the deepest k, when given, and the route
     step charged whatever the rows when `large`)."""
-    tokens = sum(expected_tokens(c.rates, k) for c, k in zip(cands, ks))
+    tokens = sum(c.gains[k] for c, k in zip(cands, ks))
     return tokens, cost.step_ms(_shape(cands, ks, depth, large))
 
 
 def _choose(cands: list[Candidate], cap: int, lam: float, cost: LatencyModel) -> list[int]:
     """Maximize sum_i E_i(k_i) - lam * T(k) over k_i <= cap, with the draft's depth term charged
     at the cap. Without the shared terms the problem separates by request."""
-    vw, dw = cost.verify.weights, cost.draft.weights  # [1, batch, nodes], [1, drafting, nodes, depth]
+    dw, node_ms = cost.draft.weights, cost.node_ms()  # [1, drafting, nodes, depth]; verify ms per node
 
     def value(c: Candidate, k: int) -> float:
-        per_node = dw[2] + (0.0 if c.trimmed else vw[2])
-        return expected_tokens(c.rates, k) - lam * (per_node * k * c.width + (dw[1] if k else 0.0))
+        per_node = dw[2] + (0.0 if c.trimmed else node_ms)
+        return c.gains[k] - lam * (per_node * k * c.width + (dw[1] if k else 0.0))
 
     ranges = [range(min(c.min_k, min(cap, c.max_k)), min(cap, c.max_k) + 1) for c in cands]
     ks = [max(r, key=lambda k, c=c: value(c, k)) for c, r in zip(cands, ranges)]  # ties: smallest k
@@ -285,21 +342,30 @@ def plan(cands: list[Candidate], cost: LatencyModel) -> Plan:
     route step always charged (the optimum's own depth is one of the caps, where the capped cost
     is the true cost), then every shape small enough to skip the route step, at its true cost. (A
     shape with the step charged when it is not due only looks worse, so the best of both is the
-    true optimum.)"""
+    true optimum.) Caps run deepest first and each one's iteration starts from the best ratio
+    found so far, so a cap that cannot beat it is dropped after one step: a shape of depth d < cap
+    is judged at its true cost under cap d."""
     if not cands:
         return Plan({}, 0.0, 0.0, 0.0)
     lowest = max(min(c.min_k, c.max_k) for c in cands)  # every request's own floor fits under it
     best, best_ratio = None, -1.0
-    for cap in range(lowest, max(c.max_k for c in cands) + 1):
-        ks = _choose(cands, cap, 0.0, cost)
-        tok, ms = evaluate(cands, ks, cost, depth=cap, large=True)
-        lam = tok / ms
+    # One request: every k at its true cost (exact with a row curve too, which the linear view
+    # of the search below only approximates).
+    singles = [[k] for k in range(lowest, cands[0].max_k + 1)] if len(cands) == 1 else []
+    for ks in singles:
+        tok, ms = evaluate(cands, ks, cost)
+        if tok / ms > best_ratio * (1 + 1e-12):
+            best, best_ratio = ks, tok / ms
+    for cap in range(max(c.max_k for c in cands), lowest - 1, -1) if not singles else []:
+        ks, lam = None, max(best_ratio, 0.0)
         for _ in range(50):
             new = _choose(cands, cap, lam, cost)
             tok, ms = evaluate(cands, new, cost, depth=cap, large=True)
             if tok / ms <= lam * (1 + 1e-12):
                 break
             ks, lam = new, tok / ms
+        if ks is None:  # nothing under this cap beats the best so far
+            continue
         tok, ms = evaluate(cands, ks, cost)
         if tok / ms > best_ratio * (1 + 1e-12):
             best, best_ratio = ks, tok / ms

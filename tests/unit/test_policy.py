@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from services.scheduler.policy import (Acceptance, Candidate, LatencyModel, LinearFit, StepShape, evaluate,
+from services.scheduler.policy import (Acceptance, Candidate, LatencyModel, LinearFit, RowCurve, StepShape, evaluate,
                                        expected_tokens, plan)
 
 
@@ -155,3 +155,20 @@ def test_simulated_request_converges_to_the_best_k(alpha, want):
         chosen.append(k)
     tail = chosen[-100:]
     assert max(set(tail), key=tail.count) == want
+
+
+def test_row_curve_interpolates_never_falls_and_extends_at_its_average_slope():
+    curve = RowCurve({1: 0.0, 2: 1.5, 3: 1.2, 5: 1.5, 9: 5.5})  # 3 rows measured cheaper than 2: noise
+    assert curve(1) == 0.0 and curve(2) == 1.5 and curve(3) == 1.5  # non-decreasing
+    assert curve(7) == 1.5 + 4.0 * 2 / 4  # between the points at 5 and 9
+    assert curve(13) == 5.5 + 4 * (5.5 / 8)  # beyond the last: 5.5 ms over 8 rows
+
+
+def test_single_request_plan_is_exact_under_a_row_curve():
+    """With a stepped curve the cost is not linear in k: one request's plan tries every k."""
+    cost = LatencyModel(verify_prior=(10.0, 0.0, 0.0, 0.0, 1.0), draft_prior=(0.0, 0.0, 0.0, 0.0))
+    cost.set_curve(RowCurve({1: 0.0, 2: 1.0, 6: 1.0, 7: 8.0, 12: 8.0}))  # 1-5 nodes: +1 ms; 6+: +8
+    cand = Candidate("r", [0.7] * 8, max_k=8)
+    k = plan([cand], cost).k["r"]
+    want = max(range(9), key=lambda k: expected_tokens(cand.rates, k) / cost.step_ms(StepShape(1, 1 if k else 0, k, k)))
+    assert k == want == 5
