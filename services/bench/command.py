@@ -41,6 +41,8 @@ def add_bench_parser(sub, add_model_args) -> None:
                    help="k per step, adaptive, or a comma-separated list run side by side, e.g. 0,2,4,adaptive "
                         "(default: 4)")
     s.add_argument("--tree-size", type=int, default=None, help="draft nodes per step (default: k, a chain)")
+    s.add_argument("--max-draft-length", type=int, default=int(_env("MAX_DRAFT_LENGTH", "16")),
+                   help="largest k adaptive may choose [SPECSERVE_MAX_DRAFT_LENGTH, default: 16]")
     s.add_argument("--repeats", type=int, default=3, help="interleaved repeats; medians are reported")
     s.add_argument("--no-warmup", action="store_true", help="skip the unmeasured warm-up run of each decoder")
     s.add_argument("--no-peers", action="store_true", help="skip the Hugging Face peers")
@@ -107,6 +109,8 @@ def cmd_spec(args, argv: list[str]) -> int:
     lengths = parse_draft_lengths(args.draft_length)
     if args.tree_size is not None and args.tree_size < 0:
         raise ValueError(f"--tree-size must be >= 0, got {args.tree_size}")
+    if args.max_draft_length < 1:
+        raise ValueError(f"--max-draft-length must be >= 1, got {args.max_draft_length}")
     questions = load_questions(args.questions, args.categories, args.limit)
     target = load_model(args.target, device=args.device, dtype=args.dtype)
     kept, prompts, skipped = [], [], []
@@ -123,7 +127,7 @@ def cmd_spec(args, argv: list[str]) -> int:
     if not kept:
         raise ValueError("no question fits the target's context with --max-tokens")
     ds = build_decoders(target, args.draft, lengths, args.tree_size, device=args.device, dtype=args.dtype,
-                        peers=not args.no_peers)
+                        peers=not args.no_peers, max_draft_length=args.max_draft_length)
     result = {"meta": meta(["specserve", *argv]), "target": args.target, "draft": args.draft,
               "questions_file": str(args.questions), "skipped": skipped}
     result.update(run_spec(kept, prompts, ds.decoders, settings, ds.not_applicable, progress=not args.no_progress))

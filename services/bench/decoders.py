@@ -58,10 +58,10 @@ class EngineDecoder(Decoder):
     baseline = PLAIN
 
     def __init__(self, name: str, target: LoadedModel, proposer: Proposer | None, draft: str,
-                 draft_length: int | str, tree_size: int | None = None):
+                 draft_length: int | str, tree_size: int | None = None, max_draft_length: int = 16):
         self.name, self.draft, self.draft_length = name, draft, draft_length
         try:
-            config = EngineConfig(draft_length=draft_length, tree_size=tree_size)
+            config = EngineConfig(draft_length=draft_length, tree_size=tree_size, max_draft_length=max_draft_length)
             self._engine = Engine(target, proposer, config)
         except TypeError as e:  # an EngineConfig that takes integers only
             raise ValueError(f"--draft-length {draft_length!r}: this engine does not accept it ({e})") from None
@@ -168,10 +168,11 @@ class DecoderSet:
 
 
 def build_decoders(target: LoadedModel, draft: str, draft_lengths: list[int | str], tree_size: int | None = None,
-                   device: str = "cpu", dtype: str | None = None, peers: bool = True) -> DecoderSet:
-    """This engine plain and with `draft` at each draft length; with `peers`, HF `generate` and the
-    HF peer matching the draft (assisted generation for a checkpoint, prompt lookup for ngram) at
-    the largest integer draft length."""
+                   device: str = "cpu", dtype: str | None = None, peers: bool = True,
+                   max_draft_length: int = 16) -> DecoderSet:
+    """This engine plain and with `draft` at each draft length (adaptive: up to `max_draft_length`);
+    with `peers`, HF `generate` and the HF peer matching the draft (assisted generation for a
+    checkpoint, prompt lookup for ngram) at the largest integer draft length."""
     draft = _resolve_draft(draft, target)
     label = _draft_label(draft)
     decoders: list[Decoder] = [EngineDecoder(PLAIN, target, None, "none", 0)]
@@ -183,7 +184,7 @@ def build_decoders(target: LoadedModel, draft: str, draft_lengths: list[int | st
             name = f"{label}_k{k}" if k != "adaptive" else f"{label}_adaptive"
             if tree_size is not None:
                 name += f"_tree{tree_size}"
-            decoders.append(EngineDecoder(name, target, proposer, draft, k, tree_size))
+            decoders.append(EngineDecoder(name, target, proposer, draft, k, tree_size, max_draft_length))
     if not peers:
         return DecoderSet(decoders, {})
     from transformers import AutoModelForCausalLM

@@ -57,7 +57,7 @@ OPTIONS: tuple[Option, ...] = (
            "draft length k per step: an integer, or adaptive (per request and step, from acceptance telemetry in Redis and a latency model)"),
     Option("--min-draft-length", "SPECSERVE_MIN_DRAFT_LENGTH", "0", ("scheduler",),
            "smallest k adaptive may choose (0 = it may decode plainly)"),
-    Option("--max-draft-length", "SPECSERVE_MAX_DRAFT_LENGTH", "4", ("scheduler",),
+    Option("--max-draft-length", "SPECSERVE_MAX_DRAFT_LENGTH", "16", ("scheduler",),
            "largest k adaptive may choose"),
     Option("--adjust-interval-ms", "SPECSERVE_ADJUST_INTERVAL_MS", "0", ("scheduler",),
            "adaptive re-plans the draft lengths at most this often (0 = every step)"),

@@ -28,7 +28,7 @@ Priors = Callable[[str], list]  # request class -> [alpha_1..alpha_max or None]
 @dataclass
 class ControllerConfig:
     min_draft_length: int = 0
-    max_draft_length: int = 4
+    max_draft_length: int = 16
     tree_width: int = 1  # draft nodes per level (1 = chains); a request's tree budget is k * width
     adjust_interval_ms: float = 0.0  # re-plan at most this often (0 = every step)
     # A request whose draft has not reached past its planned k for this many steps drafts one

@@ -31,7 +31,7 @@ class EngineConfig:
     tree_size: int | None = None  # draft nodes per step; None = draft_length (a chain)
     max_batch: int = 16  # running requests per step
     min_draft_length: int = 0
-    max_draft_length: int = 4
+    max_draft_length: int = 16
     adjust_interval_ms: float = 0.0
 
     @property

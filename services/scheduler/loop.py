@@ -46,7 +46,7 @@ class Live:
 class SchedulerLoop:
     def __init__(self, tokenizer, eos_token_ids: tuple[int, ...], max_positions: int, drafts: ReplicaSet,
                  verifiers: ReplicaSet, telemetry: Telemetry, draft_length: str = "adaptive",
-                 max_draft_length: int = 4, tree_size: int | None = None, max_batch: int = 16,
+                 max_draft_length: int = 16, tree_size: int | None = None, max_batch: int = 16,
                  controller: ControllerConfig | None = None, metrics: SchedulerMetrics | None = None,
                  kv_budget_tokens: int = DEFAULT_KV_BUDGET_TOKENS, max_waiting: int = DEFAULT_MAX_WAITING,
                  vocab_size: int | None = None):
