@@ -11,6 +11,7 @@ import sys
 from services.bench.command import add_bench_parser, cmd_bench
 from services.common.settings import ROLES, add_role_options
 from services.draft.factory import DRAFT_CHOICES
+from services.scheduler.policy import DEFAULT_MAX_DRAFT_LENGTH
 
 
 def _env(name: str, default: str) -> str:
@@ -58,8 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "measured acceptance and latency [SPECSERVE_DRAFT_LENGTH, default: adaptive]")
     g.add_argument("--min-draft-length", type=int, default=int(_env("MIN_DRAFT_LENGTH", "0")),
                    help="smallest k adaptive may choose (0 = may not draft) [SPECSERVE_MIN_DRAFT_LENGTH, default: 0]")
-    g.add_argument("--max-draft-length", type=int, default=int(_env("MAX_DRAFT_LENGTH", "16")),
-                   help="largest k adaptive may choose [SPECSERVE_MAX_DRAFT_LENGTH, default: 16]")
+    g.add_argument("--max-draft-length", type=int,
+                   default=int(_env("MAX_DRAFT_LENGTH", str(DEFAULT_MAX_DRAFT_LENGTH))),
+                   help=f"largest k adaptive may choose [SPECSERVE_MAX_DRAFT_LENGTH, default: {DEFAULT_MAX_DRAFT_LENGTH}]")
     g.add_argument("--adjust-interval-ms", type=float, default=float(_env("ADJUST_INTERVAL_MS", "0")),
                    help="adaptive re-plans at most this often (0 = every step) "
                         "[SPECSERVE_ADJUST_INTERVAL_MS, default: 0]")

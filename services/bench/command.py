@@ -9,6 +9,8 @@ import os
 import sys
 from pathlib import Path
 
+from services.scheduler.policy import DEFAULT_MAX_DRAFT_LENGTH
+
 SPEC_SECTION, LOAD_SECTION = "bench_spec", "bench_load"
 
 
@@ -41,8 +43,9 @@ def add_bench_parser(sub, add_model_args) -> None:
                    help="k per step, adaptive, or a comma-separated list run side by side, e.g. 0,2,4,adaptive "
                         "(default: 4)")
     s.add_argument("--tree-size", type=int, default=None, help="draft nodes per step (default: k, a chain)")
-    s.add_argument("--max-draft-length", type=int, default=int(_env("MAX_DRAFT_LENGTH", "16")),
-                   help="largest k adaptive may choose [SPECSERVE_MAX_DRAFT_LENGTH, default: 16]")
+    s.add_argument("--max-draft-length", type=int,
+                   default=int(_env("MAX_DRAFT_LENGTH", str(DEFAULT_MAX_DRAFT_LENGTH))),
+                   help=f"largest k adaptive may choose [SPECSERVE_MAX_DRAFT_LENGTH, default: {DEFAULT_MAX_DRAFT_LENGTH}]")
     s.add_argument("--repeats", type=int, default=3, help="interleaved repeats; medians are reported")
     s.add_argument("--no-warmup", action="store_true", help="skip the unmeasured warm-up run of each decoder")
     s.add_argument("--no-peers", action="store_true", help="skip the Hugging Face peers")

@@ -20,6 +20,7 @@ from services.common.sampling import SamplingParams
 from services.draft.factory import build_proposer
 from services.draft.proposer import Proposer
 from services.scheduler.engine import Engine, EngineConfig
+from services.scheduler.policy import DEFAULT_MAX_DRAFT_LENGTH
 
 OURS, HF = "specserve", "hf"
 PLAIN, HF_PLAIN = "plain", "hf_generate"
@@ -58,7 +59,8 @@ class EngineDecoder(Decoder):
     baseline = PLAIN
 
     def __init__(self, name: str, target: LoadedModel, proposer: Proposer | None, draft: str,
-                 draft_length: int | str, tree_size: int | None = None, max_draft_length: int = 16):
+                 draft_length: int | str, tree_size: int | None = None,
+                 max_draft_length: int = DEFAULT_MAX_DRAFT_LENGTH):
         self.name, self.draft, self.draft_length = name, draft, draft_length
         try:
             config = EngineConfig(draft_length=draft_length, tree_size=tree_size, max_draft_length=max_draft_length)
@@ -169,7 +171,7 @@ class DecoderSet:
 
 def build_decoders(target: LoadedModel, draft: str, draft_lengths: list[int | str], tree_size: int | None = None,
                    device: str = "cpu", dtype: str | None = None, peers: bool = True,
-                   max_draft_length: int = 16) -> DecoderSet:
+                   max_draft_length: int = DEFAULT_MAX_DRAFT_LENGTH) -> DecoderSet:
     """This engine plain and with `draft` at each draft length (adaptive: up to `max_draft_length`);
     with `peers`, HF `generate` and the HF peer matching the draft (assisted generation for a
     checkpoint, prompt lookup for ngram) at the largest integer draft length."""

@@ -12,7 +12,7 @@ never used by the acceptance math): the support of the matches through it over a
 found plus one, each match weighted by its length. One 1-gram match gives 0.5, one match of 3
 tokens 0.75, of 20 tokens 0.95; disagreeing matches split it. The length matters: on the draft's
 training prompts (not Spec-Bench) the first proposed token was right 14-25% of the time after a
-1-token match, 66-83% after 2-9 tokens and 93-98% after 10 or more, where 5-7 of 8 proposed
+1-token match, 40-83% after 2-9 tokens and 93-98% after 10 or more, where 5-7 of 8 proposed
 tokens were accepted on average.
 """
 

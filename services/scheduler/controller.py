@@ -17,7 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.common.tree import DraftTree
-from services.scheduler.policy import Acceptance, Candidate, LatencyModel, Plan, StepShape, expected_tokens, plan
+from services.scheduler.policy import (DEFAULT_MAX_DRAFT_LENGTH, Acceptance, Candidate, LatencyModel, Plan, StepShape,
+                                       expected_tokens, plan)
 from services.scheduler.trim import NodeCalibration, RequestScale, trim, trimmable
 
 log = logging.getLogger(__name__)
@@ -28,7 +29,7 @@ Priors = Callable[[str], list]  # request class -> [alpha_1..alpha_max or None]
 @dataclass
 class ControllerConfig:
     min_draft_length: int = 0
-    max_draft_length: int = 16
+    max_draft_length: int = DEFAULT_MAX_DRAFT_LENGTH
     tree_width: int = 1  # draft nodes per level (1 = chains); a request's tree budget is k * width
     adjust_interval_ms: float = 0.0  # re-plan at most this often (0 = every step)
     # A request whose draft has not reached past its planned k for this many steps drafts one

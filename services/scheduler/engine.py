@@ -17,7 +17,7 @@ from services.common.tree import DraftTree
 from services.draft.proposer import ProposeItem, Proposer
 from services.scheduler.calibration import calibrate_local
 from services.scheduler.controller import ControllerConfig, DraftController
-from services.scheduler.policy import StepShape
+from services.scheduler.policy import DEFAULT_MAX_DRAFT_LENGTH, StepShape
 from services.scheduler.request import Request
 from services.scheduler.telemetry import StepRecord, Telemetry
 from services.verifier.verifier import Verifier, VerifyItem
@@ -31,7 +31,7 @@ class EngineConfig:
     tree_size: int | None = None  # draft nodes per step; None = draft_length (a chain)
     max_batch: int = 16  # running requests per step
     min_draft_length: int = 0
-    max_draft_length: int = 16
+    max_draft_length: int = DEFAULT_MAX_DRAFT_LENGTH
     adjust_interval_ms: float = 0.0
 
     @property

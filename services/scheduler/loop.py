@@ -22,7 +22,7 @@ from services.common.tree import DraftTree
 from services.scheduler.admission import DEFAULT_KV_BUDGET_TOKENS, DEFAULT_MAX_WAITING, Admission, reservation
 from services.scheduler.request import Request
 from services.scheduler.controller import ControllerConfig, DraftController
-from services.scheduler.policy import StepShape
+from services.scheduler.policy import DEFAULT_MAX_DRAFT_LENGTH, StepShape
 from services.scheduler.telemetry import StepRecord, Telemetry
 from services.scheduler.workers import Replica, ReplicaSet, WorkerDown
 from specserve.v1 import draft_pb2, scheduler_pb2, verifier_pb2
@@ -46,7 +46,7 @@ class Live:
 class SchedulerLoop:
     def __init__(self, tokenizer, eos_token_ids: tuple[int, ...], max_positions: int, drafts: ReplicaSet,
                  verifiers: ReplicaSet, telemetry: Telemetry, draft_length: str = "adaptive",
-                 max_draft_length: int = 16, tree_size: int | None = None, max_batch: int = 16,
+                 max_draft_length: int = DEFAULT_MAX_DRAFT_LENGTH, tree_size: int | None = None, max_batch: int = 16,
                  controller: ControllerConfig | None = None, metrics: SchedulerMetrics | None = None,
                  kv_budget_tokens: int = DEFAULT_KV_BUDGET_TOKENS, max_waiting: int = DEFAULT_MAX_WAITING,
                  vocab_size: int | None = None):

@@ -23,9 +23,15 @@ Three parts, each fitted from what the scheduler measures:
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 from dataclasses import dataclass, field
+
+
+# The deepest draft adaptive may choose unless told (--max-draft-length): trimming cuts a weak match
+# short, so a long verbatim one may be drafted deep.
+DEFAULT_MAX_DRAFT_LENGTH = 16
 
 
 # -- latency -----------------------------------------------------------------------------------
@@ -38,7 +44,7 @@ from dataclasses import dataclass, field
 # Within a route the cost is not linear in rows either: on a 2-core AMD EPYC oneDNN's blocked
 # matmul costs about the same from 2 to 6 rows and steps up near 7, 13 and 17 (default model,
 # verify ms 17.1 at 1 row, ~18.6 at 2-6, ~21-23 at 7-12, ~25 at 13-17, 2026-12-01). The warm-up
-# measures that shape (`RowCurve`, batch 1, every tree size up to CURVE_ROWS) and the fit
+# measures that shape (`RowCurve`, batch 1, every tree size up to calibration.EVERY_SIZE_UP_TO) and the fit
 # weighs it as one more feature, so trimming sees which nodes are nearly free.
 
 
@@ -64,7 +70,7 @@ class RowCurve:
             return 0.0
         if rows >= self.rows[-1]:
             return self.ms[-1] + (rows - self.rows[-1]) * self.slope
-        hi = next(i for i, r in enumerate(self.rows) if r >= rows)
+        hi = bisect.bisect_left(self.rows, rows)  # rows[hi - 1] < rows <= rows[hi]
         r0, r1, m0, m1 = self.rows[hi - 1], self.rows[hi], self.ms[hi - 1], self.ms[hi]
         return m0 + (m1 - m0) * (rows - r0) / (r1 - r0)
 
@@ -168,7 +174,8 @@ class LatencyModel:
 
     def __init__(self, verify_prior: tuple[float, ...] = (30.0, 2.0, 2.0, 0.0),
                  draft_prior: tuple[float, ...] = (2.0, 0.5, 0.5, 1.0), route_rows: int = 0):
-        self.verify = LinearFit((tuple(verify_prior) + (0.0, 1.0)[len(verify_prior) - 3:])[:5])
+        unset = (0.0, 0.0, 0.0, 0.0, 1.0)  # weights of [1, batch, nodes, route step, row curve]
+        self.verify = LinearFit(tuple(verify_prior) + unset[len(verify_prior):])
         self.draft = LinearFit(draft_prior)
         self.route_rows = route_rows
         self.curve: RowCurve | None = None
@@ -244,13 +251,20 @@ class Acceptance:
         return out
 
 
-def expected_tokens(rates: list[float], k: int) -> float:
-    """E(k): output tokens of a step drafting k deep (accepted path plus the one the target adds)."""
-    total, reach = 1.0, 1.0
-    for d in range(k):
+def expected_gains(rates: list[float], max_k: int) -> list[float]:
+    """[E(0), .., E(max_k)]: E(k) is the output tokens of a step drafting k deep (the accepted
+    path plus the one the target adds)."""
+    total, reach, out = 1.0, 1.0, [1.0]
+    for d in range(max(max_k, 0)):
         reach *= rates[d]
         total += reach
-    return total
+        out.append(total)
+    return out
+
+
+def expected_tokens(rates: list[float], k: int) -> float:
+    """E(k) (see expected_gains)."""
+    return expected_gains(rates, k)[-1]
 
 
 # -- the plan ----------------------------------------------------------------------------------
@@ -269,12 +283,7 @@ class Candidate:
     gains: list[float] = field(init=False, repr=False)  # gains[k] = E(k) for k = 0..max_k
 
     def __post_init__(self):
-        total, reach = 1.0, 1.0
-        self.gains = [total]
-        for d in range(max(self.max_k, 0)):
-            reach *= self.rates[d]
-            total += reach
-            self.gains.append(total)
+        self.gains = expected_gains(self.rates, self.max_k)
 
 
 @dataclass
@@ -344,19 +353,30 @@ def plan(cands: list[Candidate], cost: LatencyModel) -> Plan:
     shape with the step charged when it is not due only looks worse, so the best of both is the
     true optimum.) Caps run deepest first and each one's iteration starts from the best ratio
     found so far, so a cap that cannot beat it is dropped after one step: a shape of depth d < cap
-    is judged at its true cost under cap d."""
+    is judged at its true cost under cap d. One request: every k at its true cost."""
     if not cands:
         return Plan({}, 0.0, 0.0, 0.0)
     lowest = max(min(c.min_k, c.max_k) for c in cands)  # every request's own floor fits under it
-    best, best_ratio = None, -1.0
-    # One request: every k at its true cost (exact with a row curve too, which the linear view
-    # of the search below only approximates).
-    singles = [[k] for k in range(lowest, cands[0].max_k + 1)] if len(cands) == 1 else []
-    for ks in singles:
+    if len(cands) == 1:  # every k at its true cost: exact with a row curve too
+        best, best_ratio = None, -1.0
+        shapes = [[k] for k in range(lowest, cands[0].max_k + 1)]
+    else:  # the search below, plus the shapes small enough to skip the route step
+        best, best_ratio = _search_caps(cands, cost, lowest)
+        shapes = _small_shapes(cands, cost.route_rows)
+    for ks in shapes:
         tok, ms = evaluate(cands, ks, cost)
         if tok / ms > best_ratio * (1 + 1e-12):
             best, best_ratio = ks, tok / ms
-    for cap in range(max(c.max_k for c in cands), lowest - 1, -1) if not singles else []:
+    tok, ms = evaluate(cands, best, cost)
+    ptok, pms = evaluate(cands, [min(c.min_k, c.max_k) for c in cands], cost)
+    return Plan(dict(zip((c.req_id for c in cands), best)), tok, ms, 1e3 * ptok / pms)
+
+
+def _search_caps(cands: list[Candidate], cost: LatencyModel, lowest: int) -> tuple[list[int] | None, float]:
+    """Dinkelbach's iteration per cap on the deepest draft, route step always charged, with the
+    row curve at its average slope (so exact without one); the best (ks, true ratio) found."""
+    best, best_ratio = None, -1.0
+    for cap in range(max(c.max_k for c in cands), lowest - 1, -1):
         ks, lam = None, max(best_ratio, 0.0)
         for _ in range(50):
             new = _choose(cands, cap, lam, cost)
@@ -369,10 +389,4 @@ def plan(cands: list[Candidate], cost: LatencyModel) -> Plan:
         tok, ms = evaluate(cands, ks, cost)
         if tok / ms > best_ratio * (1 + 1e-12):
             best, best_ratio = ks, tok / ms
-    for ks in _small_shapes(cands, cost.route_rows):
-        tok, ms = evaluate(cands, ks, cost)
-        if tok / ms > best_ratio * (1 + 1e-12):
-            best, best_ratio = ks, tok / ms
-    tok, ms = evaluate(cands, best, cost)
-    ptok, pms = evaluate(cands, [min(c.min_k, c.max_k) for c in cands], cost)
-    return Plan(dict(zip((c.req_id for c in cands), best)), tok, ms, 1e3 * ptok / pms)
+    return best, best_ratio

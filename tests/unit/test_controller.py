@@ -1,7 +1,7 @@
 """DraftController: the per-request decisions around the plan (probes, the greedy hint)."""
 
 from services.scheduler.controller import ControllerConfig, DraftController
-from services.scheduler.policy import LatencyModel
+from services.scheduler.policy import LatencyModel, StepShape
 
 
 def costly_nodes() -> LatencyModel:
@@ -17,14 +17,8 @@ def run(ctl: DraftController, rid: str, steps: int, accept_all: bool) -> list[in
         k = ctl.choose({rid: 4})[rid].k
         ks.append(k)
         accepted = k if accept_all else 0
-        ctl.observe(_shape(k), 0.0, 10.0 + 3.0 * k, {rid: (k, accepted, accepted + 1)})
+        ctl.observe(StepShape(1, 1 if k else 0, k, k), 0.0, 10.0 + 3.0 * k, {rid: (k, accepted, accepted + 1)})
     return ks
-
-
-def _shape(k: int):
-    from services.scheduler.policy import StepShape
-
-    return StepShape(1, 1 if k else 0, k, k)
 
 
 def controller(probe_interval: int = 8, prior: float = 0.0) -> DraftController:
