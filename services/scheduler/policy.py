@@ -285,6 +285,10 @@ class Candidate:
     def __post_init__(self):
         self.gains = expected_gains(self.rates, self.max_k)
 
+    def verified(self, k: int) -> int:
+        """Nodes verified when it drafts k deep (none before trimming, for a trimmed request)."""
+        return 0 if self.trimmed else k * self.width
+
 
 @dataclass
 class Plan:
@@ -300,7 +304,7 @@ class Plan:
 
 def _shape(cands: list[Candidate], ks: list[int], depth: int | None = None, large: bool = False) -> StepShape:
     nodes = sum(k * c.width for c, k in zip(cands, ks))
-    verified = sum(k * c.width for c, k in zip(cands, ks) if not c.trimmed)
+    verified = sum(c.verified(k) for c, k in zip(cands, ks))
     drafting = sum(1 for k in ks if k)
     deepest = max(ks, default=0) if depth is None or not drafting else depth
     return StepShape(len(cands), drafting, nodes, deepest, verified, large)
@@ -321,11 +325,26 @@ def _choose(cands: list[Candidate], cap: int, lam: float, cost: LatencyModel) ->
     dw, node_ms = cost.draft.weights, cost.node_ms()  # [1, drafting, nodes, depth]; verify ms per node
 
     def value(c: Candidate, k: int) -> float:
-        per_node = dw[2] + (0.0 if c.trimmed else node_ms)
-        return c.gains[k] - lam * (per_node * k * c.width + (dw[1] if k else 0.0))
+        return c.gains[k] - lam * (dw[2] * k * c.width + node_ms * c.verified(k) + (dw[1] if k else 0.0))
+
+    def best(c: Candidate, r: range) -> int:
+        # Past k = 0 the cost grows linearly in k and E(k) is concave (its increments, path
+        # probabilities, never grow), so the best k >= 1 is the last one whose increment beats
+        # the cost of a level (a binary search); ties: smallest k.
+        per_level = lam * c.width * (dw[2] + (0.0 if c.trimmed else node_ms))
+        lo, hi = max(r.start, 1), r.stop - 1
+        while lo < hi:  # the last k in [max(start, 1), stop - 1] with gains[k] - gains[k - 1] > per_level
+            mid = (lo + hi + 1) // 2
+            if c.gains[mid] - c.gains[mid - 1] > per_level:
+                lo = mid
+            else:
+                hi = mid - 1
+        if r.start == 0 and (lo > r.stop - 1 or value(c, 0) >= value(c, lo)):
+            return 0
+        return lo
 
     ranges = [range(min(c.min_k, min(cap, c.max_k)), min(cap, c.max_k) + 1) for c in cands]
-    ks = [max(r, key=lambda k, c=c: value(c, k)) for c, r in zip(cands, ranges)]  # ties: smallest k
+    ks = [best(c, r) for c, r in zip(cands, ranges)]
     if any(ks) and all(r.start == 0 for r in ranges):  # or draft nothing and skip the shared terms
         drafting = sum(value(c, k) for c, k in zip(cands, ks)) - lam * (dw[0] + dw[3] * cap)
         if sum(value(c, 0) for c in cands) >= drafting:
@@ -341,8 +360,7 @@ def _small_shapes(cands: list[Candidate], route_rows: int) -> list[list[int]]:
         return []
     ranges = [range(min(c.min_k, c.max_k), min(c.max_k, room // c.width if not c.trimmed else c.max_k) + 1)
               for c in cands]
-    return [list(ks) for ks in itertools.product(*ranges)
-            if sum(k * c.width for c, k in zip(cands, ks) if not c.trimmed) <= room]
+    return [list(ks) for ks in itertools.product(*ranges) if sum(c.verified(k) for c, k in zip(cands, ks)) <= room]
 
 
 def plan(cands: list[Candidate], cost: LatencyModel) -> Plan:
@@ -357,26 +375,38 @@ def plan(cands: list[Candidate], cost: LatencyModel) -> Plan:
     if not cands:
         return Plan({}, 0.0, 0.0, 0.0)
     lowest = max(min(c.min_k, c.max_k) for c in cands)  # every request's own floor fits under it
-    if len(cands) == 1:  # every k at its true cost: exact with a row curve too
-        best, best_ratio = None, -1.0
-        shapes = [[k] for k in range(lowest, cands[0].max_k + 1)]
+    if len(cands) == 1:
+        best = [_one_request(cands[0], cost, lowest)]
     else:  # the search below, plus the shapes small enough to skip the route step
         best, best_ratio = _search_caps(cands, cost, lowest)
-        shapes = _small_shapes(cands, cost.route_rows)
-    for ks in shapes:
-        tok, ms = evaluate(cands, ks, cost)
-        if tok / ms > best_ratio * (1 + 1e-12):
-            best, best_ratio = ks, tok / ms
+        for ks in _small_shapes(cands, cost.route_rows):
+            tok, ms = evaluate(cands, ks, cost)
+            if tok / ms > best_ratio * (1 + 1e-12):
+                best, best_ratio = ks, tok / ms
     tok, ms = evaluate(cands, best, cost)
     ptok, pms = evaluate(cands, [min(c.min_k, c.max_k) for c in cands], cost)
     return Plan(dict(zip((c.req_id for c in cands), best)), tok, ms, 1e3 * ptok / pms)
 
 
+def _one_request(c: Candidate, cost: LatencyModel, lowest: int) -> int:
+    """One request's best k: every k at its true cost (exact with a row curve too)."""
+    best_k, best_ratio = lowest, -1.0
+    for k in range(lowest, c.max_k + 1):
+        nodes = k * c.width
+        ms = cost.step_ms(StepShape(1, 1 if k else 0, nodes, k, c.verified(k)))
+        if c.gains[k] / ms > best_ratio * (1 + 1e-12):
+            best_k, best_ratio = k, c.gains[k] / ms
+    return best_k
+
+
 def _search_caps(cands: list[Candidate], cost: LatencyModel, lowest: int) -> tuple[list[int] | None, float]:
     """Dinkelbach's iteration per cap on the deepest draft, route step always charged, with the
-    row curve at its average slope (so exact without one); the best (ks, true ratio) found."""
+    row curve at its average slope (so exact without one); the best (ks, true ratio) found. A
+    draft whose cost does not grow with depth (an n-gram lookup) needs the deepest cap only: a
+    lower one only shrinks the choice at the same cost."""
     best, best_ratio = None, -1.0
-    for cap in range(max(c.max_k for c in cands), lowest - 1, -1):
+    deepest = max(c.max_k for c in cands)
+    for cap in range(deepest, lowest - 1, -1) if cost.draft.weights[3] > 0 else [deepest]:
         ks, lam = None, max(best_ratio, 0.0)
         for _ in range(50):
             new = _choose(cands, cap, lam, cost)

@@ -34,7 +34,7 @@ def test_expected_tokens_closed_form():
 def test_plan_matches_brute_force_on_random_batches(seed):
     rng = random.Random(seed)
     cost = latency(verify=(rng.uniform(5, 50), rng.uniform(0, 5), rng.uniform(0.1, 8), rng.choice([0, 12, 40])),
-                   draft=(rng.uniform(0, 5), rng.uniform(0, 2), rng.uniform(0, 3), rng.uniform(0, 6)),
+                   draft=(rng.uniform(0, 5), rng.uniform(0, 2), rng.uniform(0, 3), rng.choice([0.0, rng.uniform(0, 6)])),
                    route_rows=rng.choice([0, 1, 3, 5]))
     cands = []
     for i in range(rng.randint(1, 4)):
