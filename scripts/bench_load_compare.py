@@ -1,62 +1,157 @@
-"""Benchmark: plain decoding, static draft lengths and the adaptive controller under load.
+"""Benchmark: plain decoding, static draft lengths and the adaptive controller under load, interleaved.
 
-One whole stack per setting (`make bench-load` with SPECSERVE_DRAFT_LENGTH = each setting; the
-same closed-loop load for each), then one table: output tokens/s per concurrency level and
-setting, and each against plain decoding (setting 0). The stacks run one after another on the
-same machine, so unlike `specserve bench spec` the settings are not interleaved: read a few
-percent as noise.
+One whole stack per setting (`scripts/run_stack.py` with SPECSERVE_DRAFT_LENGTH = the setting, its
+own ports and its own Redis, so no stack's telemetry feeds another's priors), all started before
+the first measurement and idle while another is measured. Then rounds: in each round every
+concurrency level runs once against every stack, the stacks in an order that rotates from round to
+round, so a drift of the machine's speed hits every setting alike. Per setting and level: output
+tokens/s (median over rounds), and against plain decoding (setting 0) the median of the per-round
+ratios (each measured minutes apart at most).
 
     python scripts/bench_load_compare.py --settings 0,2,4,adaptive --concurrency 8,16 \
-        --requests 32 --repeats 2 --out bench-out/load-compare --update BENCHMARKS.md
-    python scripts/bench_load_compare.py --settings 0,2,4,adaptive --out DIR --no-run  # tabulate DIR
+        --requests 32 --repeats 3 --out bench-out/load-compare --update BENCHMARKS.md
+    python scripts/bench_load_compare.py --out DIR --no-run  # tabulate DIR/compare.json again
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from services.bench.report import stamp, update_section  # noqa: E402
+from services.bench.load import (LoadSettings, RequestResult, parse_concurrency, run_level,  # noqa: E402
+                                 served_model, stream_one, summarize_level)
+from services.bench.questions import load_questions  # noqa: E402
+from services.bench.report import meta, stamp, update_section, write_json  # noqa: E402
+from services.bench.stats import median  # noqa: E402
+
+PORTS_PER_STACK = 10  # gateway gRPC, scheduler, draft, verifier, HTTP, Redis at base + 0..5
 
 
-def run_setting(setting: str, out: Path, args: argparse.Namespace) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, SPECSERVE_DRAFT_LENGTH=setting)
-    cmd = ["make", "-s", "bench-load", f"BENCH_OUT={out}", f"BENCH_CONCURRENCY={args.concurrency}",
-           f"BENCH_REQUESTS={args.requests}", f"BENCH_LOAD_REPEATS={args.repeats}",
-           f"BENCH_MAX_TOKENS={args.max_tokens}", f"BENCH_PORT_BASE={args.port_base}",
-           f"BENCH_UPDATE={out / 'section.md'}"]
-    with open(out / "make.log", "w") as log:
-        subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
+def stack_env(setting: str, base: int, run_dir: Path) -> dict[str, str]:
+    env = dict(os.environ, SPECSERVE_DRAFT_LENGTH=setting, SPECSERVE_RUN_DIR=str(run_dir), SPECSERVE_METRICS_PORT="0")
+    for i, role in enumerate(("GATEWAY", "SCHEDULER", "DRAFT", "VERIFIER", "HTTP", "REDIS")):
+        env[f"SPECSERVE_{role}_PORT"] = str(base + i)
+    env.pop("REDIS_URL", None)  # each stack starts its own
+    return env
 
 
-def table(results: dict[str, dict]) -> str:
-    settings = list(results)
-    first = results[settings[0]]
-    s = first["settings"]
-    levels = [lvl["concurrency"] for lvl in first["levels"]]
-    rate = {k: {lvl["concurrency"]: lvl["summary"]["output_tokens_per_s"] for lvl in r["levels"]}
-            for k, r in results.items()}
-    errors = sum(lvl["summary"]["errors"] for r in results.values() for lvl in r["levels"])
+def wait_up(proc: subprocess.Popen, url: str, log: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        if proc.poll() is not None:
+            raise RuntimeError(f"the stack at {url} exited:\n" + "\n".join(log.read_text().splitlines()[-5:]))
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the stack at {url} did not come up within {timeout_s:g} s (see {log})")
+        time.sleep(2)
+
+
+def start_stacks(settings: list[str], out: Path, port_base: int, timeout_s: float,
+                 procs: list[subprocess.Popen]) -> list[str]:
+    """One stack per setting, each up before the next starts (a scheduler's warm-up times the
+    verifier: it must not share the cores with another stack's start). Appends to `procs`."""
+    urls = []
+    for i, setting in enumerate(settings):
+        base = port_base + PORTS_PER_STACK * i
+        run_dir = (out / f"stack-{setting}").resolve()
+        run_dir.mkdir(parents=True, exist_ok=True)
+        log = run_dir / "launcher.log"
+        with open(log, "w") as f:
+            procs.append(subprocess.Popen([sys.executable, str(ROOT / "scripts" / "run_stack.py")], cwd=ROOT,
+                                          env=stack_env(setting, base, run_dir), stdout=f, stderr=subprocess.STDOUT))
+        urls.append(f"http://127.0.0.1:{base + 4}")
+        wait_up(procs[-1], urls[-1], log, timeout_s)
+        print(f"stack {setting} up at {urls[-1]}", flush=True)
+    return urls
+
+
+def stop_stacks(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(timeout=60)
+        if p.poll() is None:
+            p.kill()
+
+
+async def measure(settings: list[str], urls: list[str], load: LoadSettings, prompts: list[str]) -> dict:
+    """Every round: each level once per stack, stacks in a rotating order. Returns the model and
+    per round its runs (setting, concurrency, wall seconds, request results)."""
+    rounds: list[list[dict]] = []
+    limits = httpx.Limits(max_connections=max(load.concurrency) + 4, max_keepalive_connections=max(load.concurrency) + 4)
+    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(load.timeout_s)) as client:
+        model = load.model or await served_model(client, urls[0])
+        for url in urls:  # each stack's first request (warm-up, not counted)
+            await stream_one(client, dataclasses.replace(load, url=url), model, prompts[0], 8)
+        for rep in range(load.repeats):
+            runs = []
+            for j, level in enumerate(load.concurrency):
+                shift = (rep + j) % len(settings)
+                for i in list(range(len(settings)))[shift:] + list(range(shift)):
+                    wall, results = await run_level(client, dataclasses.replace(load, url=urls[i]), model,
+                                                    prompts, level)
+                    runs.append({"setting": settings[i], "concurrency": level, "wall_s": wall,
+                                 "requests": [dataclasses.asdict(r) for r in results]})
+                    tps = sum(r.tokens for r in results if r.ok) / wall
+                    print(f"round {rep + 1} concurrency {level} setting {settings[i]}: {tps:.1f} tok/s", flush=True)
+            rounds.append(runs)
+    return {"model": model, "rounds": rounds}
+
+
+def summarize(result: dict) -> dict:
+    """{setting: {level: {"tokens_per_s", "ratio" (median per-round ratio to setting 0), "errors",
+    "rounds"}}}."""
+    per: dict[str, dict[int, list]] = {}
+    for runs in result["rounds"]:
+        for run in runs:
+            reqs = [RequestResult(**r) for r in run["requests"]]
+            per.setdefault(run["setting"], {}).setdefault(run["concurrency"], []).append((run["wall_s"], reqs))
+    out: dict[str, dict[int, dict]] = {}
+    for setting, levels in per.items():
+        for level, reps in levels.items():
+            s = summarize_level(reps)
+            tps = [sum(r.tokens for r in rs if r.ok) / wall for wall, rs in reps]
+            plain = [sum(r.tokens for r in rs if r.ok) / wall for wall, rs in per.get("0", {}).get(level, [])]
+            ratio = median([a / b for a, b in zip(tps, plain) if b]) if setting != "0" and plain else None
+            out.setdefault(setting, {})[level] = {"tokens_per_s": s["output_tokens_per_s"], "ratio": ratio,
+                                                  "errors": s["errors"], "rounds": [round(t, 1) for t in tps]}
+    return out
+
+
+def table(result: dict) -> str:
+    settings, s = result["settings_list"], result["load"]
+    summary = summarize(result)
+    errors = sum(v["errors"] for lv in summary.values() for v in lv.values())
     lines = [f"Output tokens/s through the gateway, one stack per draft length (SPECSERVE_DRAFT_LENGTH; 0 = plain "
-             f"decoding), n-gram draft, {s['requests']} streamed chat requests per level, max {s['max_tokens']} "
-             f"tokens, temperature {s['temperature']:g}, median of {s['repeats']} repeats; {errors} errors in all. "
-             f"{stamp(first['meta'])}.", "",
+             f"decoding), all stacks up at once and measured in turn, {s['repeats']} rounds in rotating order; "
+             f"n-gram draft, {s['requests']} streamed chat requests per level and round, max {s['max_tokens']} "
+             f"tokens, temperature {s['temperature']:g}; median over rounds, (x) the median of the per-round "
+             f"ratios to plain decoding; {errors} errors in all. {stamp(result['meta'])}.", "",
              "| concurrency | " + " | ".join(f"k = {k}" if k != "adaptive" else k for k in settings) + " |",
              "| --- |" + " --- |" * len(settings)]
-    for c in levels:
-        plain = rate.get("0", {}).get(c)
+    for c in s["concurrency"]:
         cells = []
         for k in settings:
-            v = rate[k].get(c)
-            ratio = f" ({v / plain:.2f}x)" if plain and v is not None and k != "0" else ""
-            cells.append("n/a" if v is None else f"{v:.1f}{ratio}")
+            v = summary.get(k, {}).get(c)
+            ratio = f" ({v['ratio']:.2f}x)" if v and v["ratio"] is not None else ""
+            cells.append("n/a" if v is None else f"{v['tokens_per_s']:.1f}{ratio}")
         lines.append(f"| {c} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -66,21 +161,35 @@ def main() -> None:
     ap.add_argument("--settings", default="0,2,4,adaptive", help="comma-separated draft lengths (0 = plain)")
     ap.add_argument("--concurrency", default="8,16")
     ap.add_argument("--requests", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3, help="rounds")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--questions", type=Path, default=ROOT.parent / "shared" / "bench" / "spec_bench_dev.jsonl",
+                    help="Spec-Bench JSONL: one first turn per category as the prompts")
     ap.add_argument("--port-base", type=int, default=51150)
+    ap.add_argument("--startup-timeout", type=float, default=600.0, help="seconds for each stack to come up")
     ap.add_argument("--out", type=Path, default=Path("bench-out/load-compare"))
-    ap.add_argument("--no-run", action="store_true", help="only tabulate OUT/<setting>/load.json")
+    ap.add_argument("--no-run", action="store_true", help="only tabulate OUT/compare.json")
     ap.add_argument("--update", type=Path, help="rewrite the bench_load_compare section of this Markdown file")
     args = ap.parse_args()
-    settings = [x.strip() for x in args.settings.split(",") if x.strip()]
-    results = {}
-    for setting in settings:
-        out = (args.out / setting).resolve()
-        if not args.no_run:
-            run_setting(setting, out, args)
-        results[setting] = json.loads((out / "load.json").read_text())
-    body = table(results)
+    path = args.out / "compare.json"
+    if args.no_run:
+        result = json.loads(path.read_text())
+    else:
+        settings = [x.strip() for x in args.settings.split(",") if x.strip()]
+        prompts = [q.text for q in load_questions(args.questions, None, 1)]
+        load = LoadSettings(url="http://unused", concurrency=parse_concurrency(args.concurrency), requests=args.requests,
+                            max_tokens=args.max_tokens, repeats=args.repeats, prompts=f"{args.questions} (first turns)")
+        load.validate()
+        result = {"meta": meta(sys.argv), "settings_list": settings,
+                  "load": {k: v for k, v in dataclasses.asdict(load).items() if k != "url"}}
+        procs: list[subprocess.Popen] = []
+        try:
+            urls = start_stacks(settings, args.out, args.port_base, args.startup_timeout, procs)
+            result.update(asyncio.run(measure(settings, urls, load, prompts)))
+        finally:
+            stop_stacks(procs)
+        write_json(path, result)
+    body = table(result)
     print(body)
     if args.update:
         update_section(args.update, "bench_load_compare", body)

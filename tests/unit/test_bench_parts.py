@@ -3,6 +3,7 @@ comparison, statistics, SSE chunk parsing, load summaries, reports and charts.""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 
@@ -135,3 +136,29 @@ def test_load_without_a_gateway_is_a_clear_error(tmp_path, capsys):
     assert rc == 2
     assert f"cannot connect to the gateway at http://127.0.0.1:{port}" in capsys.readouterr().err
     assert not (tmp_path / "load.json").exists()
+
+
+def test_load_compare_ratios_are_medians_of_paired_rounds():
+    """scripts/bench_load_compare.py: against plain decoding, each round's ratio is taken first
+    (both measured minutes apart), then the median; a machine that ran twice as fast in one
+    round must not move it."""
+    from scripts.bench_load_compare import summarize, table
+
+    def run(setting, tokens, wall):
+        req = dataclasses.asdict(RequestResult(ok=True, tokens=tokens, e2e_s=wall))
+        return {"setting": setting, "concurrency": 8, "wall_s": wall, "requests": [req]}
+
+    # plain 100, 200 (a fast round), 100 tok/s; adaptive 110, 220, 105: ratios 1.10, 1.10, 1.05
+    rounds = [[run("0", 100, 1.0), run("adaptive", 110, 1.0)],
+              [run("adaptive", 220, 1.0), run("0", 200, 1.0)],
+              [run("0", 100, 1.0), run("adaptive", 105, 1.0)]]
+    result = {"rounds": rounds, "settings_list": ["0", "adaptive"],
+              "meta": {"date": "2026-12-01T00:00:00Z", "commit": "abc1234", "dirty": False,
+                       "machine": {"cpu": "test cpu", "cores": 2, "python": "3.11"}},
+              "load": {"concurrency": [8], "repeats": 3, "requests": 1, "max_tokens": 64, "temperature": 0.0}}
+    got = summarize(result)
+    assert got["0"][8]["tokens_per_s"] == pytest.approx(100.0)
+    assert got["adaptive"][8]["tokens_per_s"] == pytest.approx(110.0)
+    assert got["adaptive"][8]["ratio"] == pytest.approx(1.10)
+    assert got["0"][8]["ratio"] is None
+    assert "| 8 | 100.0 | 110.0 (1.10x) |" in table(result)
