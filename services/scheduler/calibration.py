@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from services.common import codec
 from services.common.sampling import SamplingParams
 from services.common.tree import DraftTree
-from services.scheduler.policy import LatencyModel, RowCurve, StepShape
+from services.scheduler.latency import LatencyModel, RowCurve, StepShape
 from specserve.v1 import draft_pb2, verifier_pb2
 
 log = logging.getLogger(__name__)
@@ -28,7 +28,7 @@ PROMPT_LEN = 16
 # use, e.g. oneDNN's for the blocked weights); the median of the rest is what the fit sees.
 REPEATS = 6
 # Every tree size up to this many nodes is measured, whatever the largest tree (the verify cost
-# is not linear in rows: policy.RowCurve; a batch's forward has more rows than one tree); above
+# is not linear in rows: latency.RowCurve; a batch's forward has more rows than one tree); above
 # it a spread of sizes up to the largest tree.
 EVERY_SIZE_UP_TO = 16
 

@@ -17,8 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.common.tree import DraftTree
-from services.scheduler.policy import (DEFAULT_MAX_DRAFT_LENGTH, Acceptance, Candidate, LatencyModel, Plan, StepShape,
-                                       expected_tokens, plan)
+from services.scheduler.latency import LatencyModel, StepShape
+from services.scheduler.policy import DEFAULT_MAX_DRAFT_LENGTH, Acceptance, Candidate, Plan, expected_tokens, plan
 from services.scheduler.trim import NodeCalibration, RequestScale, trim, trimmable
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ class ControllerConfig:
     probe_interval: int = 16
     rejection_alert: float = 0.85  # warn when more than this share of draft tokens is rejected
     log_interval_s: float = 10.0  # at most one line per kind per interval
-    route_rows: int = 0  # the verifier's matmul route step (policy.LatencyModel; 0 = none)
+    route_rows: int = 0  # the verifier's matmul route step (latency.LatencyModel; 0 = none)
 
     def validate(self) -> None:
         if not 0 <= self.min_draft_length <= self.max_draft_length:

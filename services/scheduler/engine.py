@@ -17,7 +17,8 @@ from services.common.tree import DraftTree
 from services.draft.proposer import ProposeItem, Proposer
 from services.scheduler.calibration import calibrate_local
 from services.scheduler.controller import ControllerConfig, DraftController
-from services.scheduler.policy import DEFAULT_MAX_DRAFT_LENGTH, StepShape
+from services.scheduler.latency import StepShape
+from services.scheduler.policy import DEFAULT_MAX_DRAFT_LENGTH
 from services.scheduler.request import Request
 from services.scheduler.telemetry import StepRecord, Telemetry
 from services.verifier.verifier import Verifier, VerifyItem

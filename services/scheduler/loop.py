@@ -22,7 +22,8 @@ from services.common.tree import DraftTree
 from services.scheduler.admission import DEFAULT_KV_BUDGET_TOKENS, DEFAULT_MAX_WAITING, Admission, reservation
 from services.scheduler.request import Request
 from services.scheduler.controller import ControllerConfig, DraftController
-from services.scheduler.policy import DEFAULT_MAX_DRAFT_LENGTH, StepShape
+from services.scheduler.latency import StepShape
+from services.scheduler.policy import DEFAULT_MAX_DRAFT_LENGTH
 from services.scheduler.telemetry import StepRecord, Telemetry
 from services.scheduler.workers import Replica, ReplicaSet, WorkerDown
 from specserve.v1 import draft_pb2, scheduler_pb2, verifier_pb2

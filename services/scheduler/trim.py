@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 
 from services.common.tree import DraftTree
-from services.scheduler.policy import LatencyModel
+from services.scheduler.latency import LatencyModel
 
 BINS = 10  # confidence bins over [0, 1]
 MAX_DEPTH = 8  # depths beyond share the last row

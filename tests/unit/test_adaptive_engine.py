@@ -9,7 +9,7 @@ from services.common.sampling import SamplingParams
 from services.draft.model_proposer import ModelProposer
 from services.draft.ngram import NgramProposer
 from services.scheduler.engine import Engine, EngineConfig
-from services.scheduler.policy import LatencyModel
+from services.scheduler.latency import LatencyModel
 from tests import tiny
 from tests.unit import test_distribution as dist
 

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 
 from services.scheduler import calibration
-from services.scheduler.policy import LatencyModel
+from services.scheduler.latency import LatencyModel
 
 
 class DriftingVerifier:

@@ -1,7 +1,7 @@
 """DraftController: the per-request decisions around the plan (probes, the greedy hint)."""
 
 from services.scheduler.controller import ControllerConfig, DraftController
-from services.scheduler.policy import LatencyModel, StepShape
+from services.scheduler.latency import LatencyModel, StepShape
 
 
 def costly_nodes() -> LatencyModel:

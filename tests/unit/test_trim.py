@@ -8,7 +8,7 @@ import random
 import pytest
 
 from services.common.tree import DraftTree
-from services.scheduler.policy import LatencyModel
+from services.scheduler.latency import LatencyModel
 from services.scheduler.trim import NodeCalibration, node_confidence, node_values, subtree, trim
 
 

@@ -1,0 +1,188 @@
+"""The step's latency model: draft and verify milliseconds as functions of the step's shape
+(plain Python, no torch).
+
+`LatencyModel` predicts one step's draft and verify latency as linear functions of the step's
+shape (batch size, tree nodes, draft depth, whether the verify forward has more than the
+verifier's `route_rows` rows, and the measured `RowCurve`), fitted by exponentially weighted least
+squares (`LinearFit`) that starts from warm-up measurements (calibration.py) and follows the
+telemetry of every step. The planner (policy.py) and the trim (trim.py) price drafts with it.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+
+# The verifier's CPU float32 matmul may change route past a row count (services/common/matmul.py:
+# small_rows, measured at load and reported in the verifier's Info as route_rows): on a 2-core
+# Xeon F.linear streams the weights at memory speed up to 3 rows, then a slower route starts
+# (~26 -> ~38 ms for the default model). The latency model charges that step as a term of its
+# own; route_rows = 0 means one route at every row count (no step).
+#
+# Within a route the cost is not linear in rows either: on a 2-core AMD EPYC oneDNN's blocked
+# matmul costs about the same from 2 to 6 rows and steps up near 7, 13 and 17 (default model,
+# verify ms 17.1 at 1 row, ~18.6 at 2-6, ~21-23 at 7-12, ~25 at 13-17, 2026-12-01). The warm-up
+# measures that shape (`RowCurve`, batch 1, every tree size up to calibration.EVERY_SIZE_UP_TO) and the fit
+# weighs it as one more feature, so trimming sees which nodes are nearly free.
+
+
+class RowCurve:
+    """Extra verify ms of a forward with r rows over one with 1, measured at warm-up: linear
+    between the measured row counts, non-decreasing (a noisy point never makes more rows look
+    cheaper), and beyond the last one the average slope of the whole curve."""
+
+    def __init__(self, points: dict[int, float]):
+        rows = sorted(r for r in points if r >= 1)
+        if not rows or rows[0] != 1:
+            rows = [1] + rows
+        self.rows, self.ms = rows, []
+        top = 0.0
+        for r in rows:
+            top = max(top, points.get(r, 0.0) if r > 1 else 0.0)
+            self.ms.append(top)
+        span = rows[-1] - 1
+        self.slope = self.ms[-1] / span if span else 0.0
+
+    def __call__(self, rows: int) -> float:
+        if rows <= 1:
+            return 0.0
+        if rows >= self.rows[-1]:
+            return self.ms[-1] + (rows - self.rows[-1]) * self.slope
+        hi = bisect.bisect_left(self.rows, rows)  # rows[hi - 1] < rows <= rows[hi]
+        r0, r1, m0, m1 = self.rows[hi - 1], self.rows[hi], self.ms[hi - 1], self.ms[hi]
+        return m0 + (m1 - m0) * (rows - r0) / (r1 - r0)
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What a step costs is a function of: requests verified, requests drafting, draft nodes in
+    all trees, and the deepest tree (a draft model runs one forward per level)."""
+
+    batch: int
+    drafting: int
+    nodes: int  # proposed
+    depth: int
+    verified: int | None = None  # nodes verified, when trimming kept fewer than were proposed
+
+    # True: charge the route step whatever the rows (the planner's Dinkelbach search, see plan)
+    large: bool = False
+
+    @property
+    def verified_nodes(self) -> int:
+        return self.nodes if self.verified is None else self.verified
+
+    def verify_features(self, route_rows: int, curve: RowCurve | None = None) -> tuple[float, ...]:
+        """[1, batch, verified nodes, past the route step?, the row curve at batch + nodes] for a
+        verifier whose matmul changes route past `route_rows` rows (0: never); the last is 0
+        without a measured curve."""
+        rows = self.batch + self.verified_nodes
+        large = route_rows > 0 and (self.large or rows > route_rows)
+        return (1.0, float(self.batch), float(self.verified_nodes), 1.0 if large else 0.0,
+                curve(rows) if curve is not None else 0.0)
+
+    def draft_features(self) -> tuple[float, ...]:
+        return (1.0, float(self.drafting), float(self.nodes), float(self.depth))
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """Solve a x = b for a small symmetric positive definite a (Gaussian elimination, pivoting)."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for col in range(n):
+        piv = max(range(col, n), key=lambda r: abs(m[r][col]))
+        m[col], m[piv] = m[piv], m[col]
+        p = m[col][col]
+        for r in range(n):
+            if r != col and m[r][col] != 0.0:
+                f = m[r][col] / p
+                m[r] = [x - f * y for x, y in zip(m[r], m[col])]
+    return [m[i][n] / m[i][i] for i in range(n)]
+
+
+class LinearFit:
+    """y ~ w . x by exponentially weighted least squares with a ridge pull toward prior weights.
+
+    Each observation's weight decays by `decay` per later observation, so the fit follows a
+    machine whose speed drifts. Weights are kept non-negative (no latency falls with size).
+    """
+
+    def __init__(self, prior: tuple[float, ...], ridge: float = 1e-3, decay: float = 0.995):
+        self.prior = list(prior)
+        self.ridge, self.decay = ridge, decay
+        n = len(prior)
+        self.xtx = [[0.0] * n for _ in range(n)]
+        self.xty = [0.0] * n
+        self.samples = 0
+        self._w: list[float] | None = list(prior)
+
+    def observe(self, x: tuple[float, ...], y: float) -> None:
+        n = len(self.prior)
+        for i in range(n):
+            self.xty[i] = self.xty[i] * self.decay + x[i] * y
+            row = self.xtx[i]
+            for j in range(n):
+                row[j] = row[j] * self.decay + x[i] * x[j]
+        self.samples += 1
+        self._w = None
+
+    @property
+    def weights(self) -> list[float]:
+        if self._w is None:
+            n = len(self.prior)
+            a = [[self.xtx[i][j] + (self.ridge if i == j else 0.0) for j in range(n)] for i in range(n)]
+            b = [self.xty[i] + self.ridge * self.prior[i] for i in range(n)]
+            w = _solve(a, b)
+            if any(v < 0 for v in w):  # refit with the negative terms pinned at zero
+                keep = [i for i, v in enumerate(w) if v > 0]
+                sub = _solve([[a[i][j] for j in keep] for i in keep], [b[i] for i in keep]) if keep else []
+                w = [0.0] * n
+                for i, v in zip(keep, sub):
+                    w[i] = max(0.0, v)
+            self._w = w
+        return self._w
+
+    def predict(self, x: tuple[float, ...]) -> float:
+        return sum(w * v for w, v in zip(self.weights, x))
+
+
+class LatencyModel:
+    """Predicted step latency in ms: verify(batch, nodes, route step, row curve) + draft(drafting,
+    nodes, depth). `verify_prior` may leave out the last weights (route step 0, row curve 1);
+    `route_rows` is the verifier's (0: no route step); `set_curve` adds the measured row curve."""
+
+    def __init__(self, verify_prior: tuple[float, ...] = (30.0, 2.0, 2.0, 0.0),
+                 draft_prior: tuple[float, ...] = (2.0, 0.5, 0.5, 1.0), route_rows: int = 0):
+        unset = (0.0, 0.0, 0.0, 0.0, 1.0)  # weights of [1, batch, nodes, route step, row curve]
+        self.verify = LinearFit(tuple(verify_prior) + unset[len(verify_prior):])
+        self.draft = LinearFit(draft_prior)
+        self.route_rows = route_rows
+        self.curve: RowCurve | None = None
+
+    def set_curve(self, curve: RowCurve) -> None:
+        """Use a measured row curve from now on (before the warm-up's observations: they are
+        fitted with it)."""
+        self.curve = curve
+
+    def verify_ms(self, batch: int, nodes: int) -> float:
+        return self.verify.predict(StepShape(batch, 0, nodes, 0).verify_features(self.route_rows, self.curve))
+
+    def node_ms(self) -> float:
+        """Verify ms per node, with the row curve taken at its average slope (the planner's
+        linear view of it)."""
+        w = self.verify.weights
+        return w[2] + (w[4] * self.curve.slope if self.curve is not None else 0.0)
+
+    def observe_verify(self, shape: StepShape, verify_ms: float) -> None:
+        self.verify.observe(shape.verify_features(self.route_rows, self.curve), verify_ms)
+
+    def observe(self, shape: StepShape, draft_ms: float, verify_ms: float) -> None:
+        self.observe_verify(shape, verify_ms)
+        if shape.drafting:
+            self.draft.observe(shape.draft_features(), draft_ms)
+
+    def step_ms(self, shape: StepShape) -> float:
+        ms = self.verify.predict(shape.verify_features(self.route_rows, self.curve))
+        if shape.drafting:
+            ms += self.draft.predict(shape.draft_features())
+        return max(ms, 1e-3)
