@@ -153,7 +153,7 @@ def _choose(cands: list[Candidate], cap: int, lam: float, cost: LatencyModel) ->
         # Past k = 0 the cost grows linearly in k and E(k) is concave (its increments, path
         # probabilities, never grow), so the best k >= 1 is the last one whose increment beats
         # the cost of a level (a binary search); ties: smallest k.
-        per_level = lam * c.width * (dw[2] + (0.0 if c.trimmed else node_ms))
+        per_level = lam * (dw[2] * c.width + node_ms * c.verified(1))  # one more level, in tokens at lam
         lo, hi = max(r.start, 1), r.stop - 1
         while lo < hi:  # the last k in [max(start, 1), stop - 1] with gains[k] - gains[k - 1] > per_level
             mid = (lo + hi + 1) // 2
