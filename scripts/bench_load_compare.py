@@ -24,7 +24,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -32,7 +31,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from services.bench.load import (LoadSettings, RequestResult, parse_concurrency, run_level,  # noqa: E402
-                                 served_model, stream_one, summarize_level)
+                                 served_model, stream_one, summarize_level, wait_healthy)
 from services.bench.questions import load_questions  # noqa: E402
 from services.bench.report import meta, stamp, update_section, write_json  # noqa: E402
 from services.bench.stats import median  # noqa: E402
@@ -46,19 +45,6 @@ def stack_env(setting: str, base: int, run_dir: Path) -> dict[str, str]:
         env[f"SPECSERVE_{role}_PORT"] = str(base + i)
     env.pop("REDIS_URL", None)  # each stack starts its own
     return env
-
-
-def wait_up(proc: subprocess.Popen, url: str, log: Path, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        if proc.poll() is not None:
-            raise RuntimeError(f"the stack at {url} exited:\n" + "\n".join(log.read_text().splitlines()[-5:]))
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the stack at {url} did not come up within {timeout_s:g} s (see {log})")
-        time.sleep(2)
 
 
 def start_stacks(settings: list[str], out: Path, port_base: int, timeout_s: float,
@@ -75,7 +61,11 @@ def start_stacks(settings: list[str], out: Path, port_base: int, timeout_s: floa
             procs.append(subprocess.Popen([sys.executable, str(ROOT / "scripts" / "run_stack.py")], cwd=ROOT,
                                           env=stack_env(setting, base, run_dir), stdout=f, stderr=subprocess.STDOUT))
         urls.append(f"http://127.0.0.1:{base + 4}")
-        wait_up(procs[-1], urls[-1], log, timeout_s)
+        proc = procs[-1]
+        try:
+            asyncio.run(wait_healthy(urls[-1], timeout_s, alive=lambda: proc.poll() is None))
+        except RuntimeError as e:
+            raise RuntimeError(f"{e}; its log {log} ends:\n" + "\n".join(log.read_text().splitlines()[-5:])) from None
         print(f"stack {setting} up at {urls[-1]}", flush=True)
     return urls
 
@@ -109,10 +99,14 @@ async def measure(settings: list[str], urls: list[str], load: LoadSettings, prom
                                                     prompts, level)
                     runs.append({"setting": settings[i], "concurrency": level, "wall_s": wall,
                                  "requests": [dataclasses.asdict(r) for r in results]})
-                    tps = sum(r.tokens for r in results if r.ok) / wall
+                    tps = _tokens_per_s(wall, results)
                     print(f"round {rep + 1} concurrency {level} setting {settings[i]}: {tps:.1f} tok/s", flush=True)
             rounds.append(runs)
     return {"model": model, "rounds": rounds}
+
+
+def _tokens_per_s(wall_s: float, results: list[RequestResult]) -> float:
+    return sum(r.tokens for r in results if r.ok) / wall_s
 
 
 def summarize(result: dict) -> dict:
@@ -127,8 +121,8 @@ def summarize(result: dict) -> dict:
     for setting, levels in per.items():
         for level, reps in levels.items():
             s = summarize_level(reps)
-            tps = [sum(r.tokens for r in rs if r.ok) / wall for wall, rs in reps]
-            plain = [sum(r.tokens for r in rs if r.ok) / wall for wall, rs in per.get("0", {}).get(level, [])]
+            tps = [_tokens_per_s(wall, rs) for wall, rs in reps]
+            plain = [_tokens_per_s(wall, rs) for wall, rs in per.get("0", {}).get(level, [])]
             ratio = median([a / b for a, b in zip(tps, plain) if b]) if setting != "0" and plain else None
             out.setdefault(setting, {})[level] = {"tokens_per_s": s["output_tokens_per_s"], "ratio": ratio,
                                                   "errors": s["errors"], "rounds": [round(t, 1) for t in tps]}

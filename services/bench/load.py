@@ -15,6 +15,7 @@ import asyncio
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import httpx
@@ -184,8 +185,9 @@ async def run_level(client: httpx.AsyncClient, settings: LoadSettings, model: st
     return time.perf_counter() - t0, [r for r in results if r is not None]
 
 
-async def wait_healthy(url: str, wait_s: float) -> None:
-    """Poll GET /health until it answers 200, for at most wait_s seconds."""
+async def wait_healthy(url: str, wait_s: float, alive: Callable[[], bool] | None = None) -> None:
+    """Poll GET /health until it answers 200, for at most wait_s seconds; with `alive` (is the
+    process serving it still running?), give up as soon as it says no."""
     deadline = time.monotonic() + wait_s
     async with httpx.AsyncClient(timeout=5) as client:
         while True:
@@ -194,6 +196,8 @@ async def wait_healthy(url: str, wait_s: float) -> None:
                     return
             except httpx.HTTPError:
                 pass
+            if alive is not None and not alive():
+                raise RuntimeError(f"the process serving {url} exited before GET /health answered")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the gateway at {url} did not answer GET /health within {wait_s:g} s")
             await asyncio.sleep(0.5)

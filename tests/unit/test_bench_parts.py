@@ -3,6 +3,7 @@ comparison, statistics, SSE chunk parsing, load summaries, reports and charts.""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import socket
@@ -12,7 +13,7 @@ import pytest
 
 from services.bench.chart import load_chart
 from services.bench.decoders import parse_draft_lengths, stop_at_eos
-from services.bench.load import RequestResult, chunk_tokens, parse_concurrency, summarize_level
+from services.bench.load import RequestResult, chunk_tokens, parse_concurrency, summarize_level, wait_healthy
 from services.bench.questions import load_questions
 from services.bench.report import load_markdown, redact, update_section
 from services.bench.spec import compare_tokens
@@ -162,3 +163,23 @@ def test_load_compare_ratios_are_medians_of_paired_rounds():
     assert got["adaptive"][8]["ratio"] == pytest.approx(1.10)
     assert got["0"][8]["ratio"] is None
     assert "| 8 | 100.0 | 110.0 (1.10x) |" in table(result)
+
+
+def _closed_port_url() -> str:
+    with socket.socket() as sock:  # bound, then closed: nothing listens there
+        sock.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def test_wait_healthy_gives_up_when_the_serving_process_has_exited():
+    url, calls = _closed_port_url(), []
+
+    def alive() -> bool:
+        calls.append(1)
+        return len(calls) < 3  # the process "exits" at the third poll
+
+    with pytest.raises(RuntimeError, match="exited before GET /health answered"):
+        asyncio.run(wait_healthy(url, 60.0, alive=alive))  # well before the 60 s deadline
+    assert len(calls) == 3
+    with pytest.raises(RuntimeError, match="did not answer GET /health within"):
+        asyncio.run(wait_healthy(url, 0.2))
