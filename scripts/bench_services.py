@@ -28,6 +28,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from services.bench import questions as _questions, report as _report  # noqa: E402
+from services.bench.load import wait_healthy  # noqa: E402
 from services.bench.report import update_section  # noqa: E402
 
 
@@ -78,18 +79,13 @@ def start_stack(http_port: int, extra_env: dict[str, str]) -> subprocess.Popen:
     env.pop("REDIS_URL", None)
     proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "run_stack.py")], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{http_port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise RuntimeError("the stack failed to start: see .run/*.log")
-        time.sleep(1)
-    proc.send_signal(signal.SIGINT)
-    raise RuntimeError("the stack did not become healthy")
+    try:
+        asyncio.run(wait_healthy(f"http://127.0.0.1:{http_port}", 300, alive=lambda: proc.poll() is None))
+    except RuntimeError as e:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+        raise RuntimeError(f"the stack failed to start ({e}): see .run/*.log") from None
+    return proc
 
 
 def main() -> None:

@@ -86,18 +86,21 @@ class StepShape:
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float]:
-    """Solve a x = b for a small symmetric positive definite a (Gaussian elimination, pivoting)."""
+    """Solve a x = b for a small symmetric positive definite a: Gaussian elimination, which needs
+    no pivoting for such a matrix (every pivot is positive), then back substitution."""
     n = len(b)
     m = [row[:] + [b[i]] for i, row in enumerate(a)]
     for col in range(n):
-        piv = max(range(col, n), key=lambda r: abs(m[r][col]))
-        m[col], m[piv] = m[piv], m[col]
-        p = m[col][col]
-        for r in range(n):
-            if r != col and m[r][col] != 0.0:
-                f = m[r][col] / p
-                m[r] = [x - f * y for x, y in zip(m[r], m[col])]
-    return [m[i][n] / m[i][i] for i in range(n)]
+        top = m[col]
+        for r in range(col + 1, n):
+            f = m[r][col] / top[col]
+            if f != 0.0:
+                m[r] = [x - f * y for x, y in zip(m[r], top)]
+    x = [0.0] * n
+    for i in range(n - 1, -1, -1):
+        row = m[i]
+        x[i] = (row[n] - sum(row[j] * x[j] for j in range(i + 1, n))) / row[i]
+    return x
 
 
 class LinearFit:
@@ -186,3 +189,22 @@ class LatencyModel:
         if shape.drafting:
             ms += self.draft.predict(shape.draft_features())
         return max(ms, 1e-3)
+
+    def single_ms(self, max_k: int, width: int = 1, verified_per_level: int | None = None) -> list[float]:
+        """[step_ms of one request alone drafting k deep for k = 0..max_k]: k * width nodes, of
+        which k * verified_per_level are verified (default: all). The same sums as `step_ms` of
+        each StepShape, with the weights read once: the planner prices every k of a lone request
+        this way each step, and building a shape per k cost more than the rest of its plan."""
+        per_level = width if verified_per_level is None else verified_per_level
+        wv, wd = self.verify.weights, self.draft.weights  # [1, batch, nodes, route, curve]; [1, drafting, nodes, depth]
+        out = []
+        for k in range(max_k + 1):
+            verified = k * per_level
+            rows = 1 + verified
+            large = 1.0 if self.route_rows > 0 and rows > self.route_rows else 0.0
+            curve = self.curve(rows) if self.curve is not None else 0.0
+            ms = wv[0] * 1.0 + wv[1] * 1.0 + wv[2] * verified + wv[3] * large + wv[4] * curve
+            if k:
+                ms += wd[0] * 1.0 + wd[1] * 1.0 + wd[2] * (k * width) + wd[3] * k
+            out.append(max(ms, 1e-3))
+        return out

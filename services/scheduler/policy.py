@@ -213,9 +213,9 @@ def plan(cands: list[Candidate], cost: LatencyModel) -> Plan:
 def _one_request(c: Candidate, cost: LatencyModel, lowest: int) -> int:
     """One request's best k: every k at its true cost (exact with a row curve too)."""
     best_k, best_ratio = lowest, -1.0
+    costs = cost.single_ms(c.max_k, c.width, c.verified(1))  # costs[k]: the step's ms drafting k deep
     for k in range(lowest, c.max_k + 1):
-        nodes = k * c.width
-        ms = cost.step_ms(StepShape(1, 1 if k else 0, nodes, k, c.verified(k)))
+        ms = costs[k]
         if c.gains[k] / ms > best_ratio * (1 + 1e-12):
             best_k, best_ratio = k, c.gains[k] / ms
     return best_k

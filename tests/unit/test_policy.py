@@ -172,3 +172,19 @@ def test_single_request_plan_is_exact_under_a_row_curve():
     k = plan([cand], cost).k["r"]
     want = max(range(9), key=lambda k: expected_tokens(cand.rates, k) / cost.step_ms(StepShape(1, 1 if k else 0, k, k)))
     assert k == want == 5
+
+
+@pytest.mark.parametrize("width,verified_per_level", [(1, None), (2, None), (2, 0)])
+def test_single_request_costs_equal_the_step_shape_costs(width, verified_per_level):
+    """The planner's fast price list for a lone request is step_ms of each shape, bit for bit,
+    with a route step, a row curve and weights fitted from noisy steps."""
+    rng = random.Random(3)
+    cost = LatencyModel(route_rows=6)
+    cost.set_curve(RowCurve({1: 0.0, 2: 1.5, 6: 1.6, 7: 4.0, 13: 8.0}))
+    for _ in range(50):
+        n = rng.randint(0, 12)
+        cost.observe(StepShape(1, 1 if n else 0, n, n, rng.randint(0, n)), rng.random(), 17 + 0.4 * n + rng.random())
+    per_level = width if verified_per_level is None else verified_per_level
+    want = [cost.step_ms(StepShape(1, 1 if k else 0, k * width, k, k * per_level)) for k in range(17)]
+    assert cost.single_ms(16, width, verified_per_level) == want
+    assert want[0] < want[1]  # drafting costs something: the shapes differ
