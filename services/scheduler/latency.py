@@ -73,16 +73,25 @@ class StepShape:
         return self.nodes if self.verified is None else self.verified
 
     def verify_features(self, route_rows: int, curve: RowCurve | None = None) -> tuple[float, ...]:
-        """[1, batch, verified nodes, past the route step?, the row curve at batch + nodes] for a
-        verifier whose matmul changes route past `route_rows` rows (0: never); the last is 0
-        without a measured curve."""
-        rows = self.batch + self.verified_nodes
-        large = route_rows > 0 and (self.large or rows > route_rows)
-        return (1.0, float(self.batch), float(self.verified_nodes), 1.0 if large else 0.0,
-                curve(rows) if curve is not None else 0.0)
+        return verify_features(self.batch, self.verified_nodes, route_rows, curve, self.large)
 
     def draft_features(self) -> tuple[float, ...]:
-        return (1.0, float(self.drafting), float(self.nodes), float(self.depth))
+        return draft_features(self.drafting, self.nodes, self.depth)
+
+
+def verify_features(batch: int, verified: int, route_rows: int, curve: RowCurve | None = None,
+                    large: bool = False) -> tuple[float, ...]:
+    """[1, batch, verified nodes, past the route step?, the row curve at batch + nodes] for a
+    verifier whose matmul changes route past `route_rows` rows (0: never; `large`: charge the step
+    whatever the rows); the last is 0 without a measured curve."""
+    rows = batch + verified
+    past = route_rows > 0 and (large or rows > route_rows)
+    return (1.0, float(batch), float(verified), 1.0 if past else 0.0, curve(rows) if curve is not None else 0.0)
+
+
+def draft_features(drafting: int, nodes: int, depth: int) -> tuple[float, ...]:
+    """[1, requests drafting, draft nodes, deepest tree]."""
+    return (1.0, float(drafting), float(nodes), float(depth))
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float]:
@@ -185,26 +194,19 @@ class LatencyModel:
             self.draft.observe(shape.draft_features(), draft_ms)
 
     def step_ms(self, shape: StepShape) -> float:
-        ms = self.verify.predict(shape.verify_features(self.route_rows, self.curve))
-        if shape.drafting:
-            ms += self.draft.predict(shape.draft_features())
-        return max(ms, 1e-3)
+        return self._ms(shape.verify_features(self.route_rows, self.curve),
+                        shape.draft_features() if shape.drafting else None)
 
     def single_ms(self, max_k: int, width: int = 1, verified_per_level: int | None = None) -> list[float]:
         """[step_ms of one request alone drafting k deep for k = 0..max_k]: k * width nodes, of
-        which k * verified_per_level are verified (default: all). The same sums as `step_ms` of
-        each StepShape, with the weights read once: the planner prices every k of a lone request
-        this way each step, and building a shape per k cost more than the rest of its plan."""
+        which k * verified_per_level are verified (default: all). The planner prices every k of a
+        lone request each step; this skips building a StepShape per k."""
         per_level = width if verified_per_level is None else verified_per_level
-        wv, wd = self.verify.weights, self.draft.weights  # [1, batch, nodes, route, curve]; [1, drafting, nodes, depth]
-        out = []
-        for k in range(max_k + 1):
-            verified = k * per_level
-            rows = 1 + verified
-            large = 1.0 if self.route_rows > 0 and rows > self.route_rows else 0.0
-            curve = self.curve(rows) if self.curve is not None else 0.0
-            ms = wv[0] * 1.0 + wv[1] * 1.0 + wv[2] * verified + wv[3] * large + wv[4] * curve
-            if k:
-                ms += wd[0] * 1.0 + wd[1] * 1.0 + wd[2] * (k * width) + wd[3] * k
-            out.append(max(ms, 1e-3))
-        return out
+        return [self._ms(verify_features(1, k * per_level, self.route_rows, self.curve),
+                         draft_features(1, k * width, k) if k else None) for k in range(max_k + 1)]
+
+    def _ms(self, verify_x: tuple[float, ...], draft_x: tuple[float, ...] | None) -> float:
+        ms = self.verify.predict(verify_x)
+        if draft_x is not None:
+            ms += self.draft.predict(draft_x)
+        return max(ms, 1e-3)
