@@ -45,11 +45,12 @@ def machine() -> str:
     return _report.machine_line(_report.machine())
 
 
-from services.cli import encode_prompt  # noqa: E402
+from services.common.prompt import encode_prompt  # noqa: E402
 from services.common.loading import load_model  # noqa: E402
 from services.common.sampling import SamplingParams  # noqa: E402
 from services.draft.ngram import NgramProposer  # noqa: E402
-from services.scheduler.engine import Engine, EngineConfig  # noqa: E402
+from services.scheduler.core import StepConfig  # noqa: E402
+from services.scheduler.engine import Engine  # noqa: E402
 
 DRAFT_LENGTH = 4
 
@@ -107,7 +108,7 @@ def main() -> None:
 
     questions = load_questions(args.questions, args.per_category)
     target = load_model("default")
-    engine_cfg = EngineConfig(draft_length=DRAFT_LENGTH)
+    engine_cfg = StepConfig(draft_length=DRAFT_LENGTH)
     prompts = [encode_prompt(target.tokenizer, q["turns"][0], chat=True) for q in questions]
     params = SamplingParams(max_tokens=args.max_tokens)
     url = f"http://127.0.0.1:{args.http_port}"

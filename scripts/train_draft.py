@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from services.cli import encode_prompt  # noqa: E402
+from services.common.prompt import encode_prompt  # noqa: E402
 from services.common.loading import default_gguf_path, load_model, load_weights  # noqa: E402
 from services.draft.slim import COUNTS_NAME  # noqa: E402
 from services.draft.training import teacher  # noqa: E402

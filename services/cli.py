@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import sys
+import time
 
 from services.bench.command import add_bench_parser, cmd_bench
 from services.common.settings import ROLES, add_role_options
@@ -111,19 +112,13 @@ def _read_prompts(args) -> list[str]:
     return prompts
 
 
-def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
-    if chat:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                            add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-    return tokenizer(prompt, add_special_tokens=False)["input_ids"]
-
-
 def cmd_generate(args) -> int:
     from services.common.loading import load_model
+    from services.common.prompt import encode_prompt
     from services.common.sampling import SamplingParams
     from services.draft.factory import build_proposer
-    from services.scheduler.engine import Engine, EngineConfig
+    from services.scheduler.core import StepConfig
+    from services.scheduler.engine import Engine
 
     tree_size = args.tree_size
     if tree_size is None and os.environ.get("SPECSERVE_TREE_SIZE"):
@@ -132,20 +127,26 @@ def cmd_generate(args) -> int:
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             stop=tuple(args.stop), ignore_eos=args.ignore_eos)
     params.validate()
-    config = EngineConfig(draft_length=args.draft_length, tree_size=tree_size, max_batch=args.max_batch,
+    config = StepConfig(draft_length=args.draft_length, tree_size=tree_size, max_batch=args.max_batch,
                           min_draft_length=args.min_draft_length, max_draft_length=args.max_draft_length,
                           adjust_interval_ms=args.adjust_interval_ms)
     config.validate()
     prompts = _read_prompts(args)
+    t0 = time.perf_counter()
     target = load_model(args.target, device=args.device, dtype=args.dtype)
     proposer = build_proposer(args.draft, target, device=args.device, dtype=args.dtype,
                               compression_ratio=args.compression_ratio, guard_points=args.slim_guard_points)
-    engine = Engine(target, proposer, config)
+    engine = Engine(target, proposer, config, draft_name=args.draft)  # the latency warm-up runs here
+    load_s = time.perf_counter() - t0
+    warm = engine.warmed
+    print(f"[loaded in {load_s:.1f} s" + (f", latency warm-up {warm.seconds:.1f} s"
+                                          f"{' (cached)' if warm.cached else ''}" if warm else "") + "]",
+          file=sys.stderr)
     encoded = [encode_prompt(target.tokenizer, p, args.chat) for p in prompts]
     for req in engine.generate(encoded, params):
         s = req.summary()
         if args.json:
-            print(json.dumps(s), flush=True)
+            print(json.dumps({**s, "load_s": load_s}), flush=True)
         else:
             print(s["text"], flush=True)
             print(f"[{s['completion_tokens']} tokens, {s['steps']} steps, MAL "

@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from services.common import codec
 from services.common.grpc_server import GrpcServer
 from services.common.metrics import Registry, SchedulerMetrics, WorkerMetrics, cuda_memory
 from services.common.settings import split_addrs
+from services.common.step_servicer import StepServicer
 from services.common.tracing import setup_tracing
-from services.common.worker import model_thread, on_model_thread
+from services.common.worker import StepWorker, model_thread, on_model_thread
 from specserve.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -32,8 +34,9 @@ def _worker_metrics(role: str, args) -> WorkerMetrics:
 
 async def serve_draft(args) -> None:
     from services.common.loading import load_model
+    from services.common.metrics import CallbackCounter
     from services.draft.factory import build_proposer
-    from services.draft.servicer import DraftServicer
+    from services.draft.proposer import ProposeWork
     from specserve.v1 import draft_pb2, draft_pb2_grpc
 
     # The target's weights are needed only when it drafts for itself; otherwise its tokenizer and
@@ -46,72 +49,111 @@ async def serve_draft(args) -> None:
                                      guard_points=float(args.slim_guard_points))
     if proposer is None:
         raise ValueError("a draft service needs a proposer: --draft ngram, self or a checkpoint path")
-    servicer = DraftServicer(proposer, _worker_info("draft", target, args.device, proposer.name),
-                             _worker_metrics("draft", args), thread)
+    metrics = _worker_metrics("draft", args)
+    slim_state = getattr(proposer, "slim_state", None)
+    if slim_state is not None:  # SlimSpec guard: slim -> full head switches
+        CallbackCounter(metrics.registry, "specserve:slimspec_fallbacks",
+                        "Switches of the draft from its SlimSpec head to the full head by the quality guard",
+                        lambda: (slim_state() or {}).get("fallbacks", 0))
+    worker = StepWorker(_worker_info("draft", target, args.device, proposer.name), 0, ProposeWork(proposer),
+                        metrics, thread)
     server = GrpcServer(args.host, int(args.port), [draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name])
-    draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server.server)
+    draft_pb2_grpc.add_DraftServiceServicer_to_server(StepServicer(worker, codec.DRAFT), server.server)
     await server.run(float(args.grace_period))
 
 
 async def serve_verifier(args) -> None:
     from services.common.loading import load_model
-    from services.verifier.servicer import VerifierServicer
-    from services.verifier.verifier import Verifier
+    from services.verifier.verifier import Verifier, VerifyWork
     from specserve.v1 import verifier_pb2, verifier_pb2_grpc
 
     thread = model_thread("verifier")  # loads the model too (worker.py: one OpenMP thread team)
     target = await on_model_thread(thread, load_model, args.target, device=args.device, dtype=args.dtype)
     verifier = await on_model_thread(thread, Verifier, target.model)
-    servicer = VerifierServicer(verifier, _worker_info("verifier", target, args.device),
-                                _worker_metrics("verifier", args), thread)
+    worker = StepWorker(_worker_info("verifier", target, args.device), 1, VerifyWork(verifier),
+                        _worker_metrics("verifier", args), thread)
     server = GrpcServer(args.host, int(args.port),
                         [verifier_pb2.DESCRIPTOR.services_by_name["VerifierService"].full_name])
-    verifier_pb2_grpc.add_VerifierServiceServicer_to_server(servicer, server.server)
+    verifier_pb2_grpc.add_VerifierServiceServicer_to_server(StepServicer(worker, codec.VERIFIER), server.server)
     await server.run(float(args.grace_period))
+
+
+LOCAL = "local"  # the --draft-addrs value that drafts (n-gram) in the scheduler's own process
+
+
+def _local_draft(info: common_pb2.InfoResponse):
+    """An n-gram draft in the scheduler's process: it needs no weights and takes well under a
+    millisecond, while the hop to a draft service and back costs a few (vLLM and SGLang also run
+    n-gram lookup in their engine process). A failed step costs its trees, as a broken stream would."""
+    from services.draft.ngram import NgramProposer
+    from services.draft.proposer import ProposeWork
+    from services.scheduler.workers import LocalWorkers
+
+    draft_info = common_pb2.InfoResponse(model=info.model, vocab_size=info.vocab_size,
+                                         max_positions=info.max_positions, eos_token_ids=info.eos_token_ids,
+                                         role="draft", proposer=NgramProposer.name, device="cpu")
+    worker = StepWorker(draft_info, 0, ProposeWork(NgramProposer()))
+    return LocalWorkers("draft", worker, contain_errors=True), NgramProposer.name
+
+
+async def _drafts(args, info: common_pb2.InfoResponse, spans):
+    """The scheduler's draft workers and the proposer's name."""
+    from services.scheduler.replicas import RemoteWorkers
+
+    addrs = split_addrs(args.draft_addrs)
+    if LOCAL in addrs:
+        if len(addrs) > 1:
+            raise ValueError(f"--draft-addrs {LOCAL} drafts in the scheduler; it takes no other replica")
+        return _local_draft(info)
+    drafts = RemoteWorkers("draft", addrs, spans)
+    try:
+        return drafts, (await drafts.info()).proposer
+    except RuntimeError:
+        return drafts, "unknown"
+
+
+def _step_config(args):
+    from services.scheduler.core import StepConfig
+
+    return StepConfig(draft_length=args.draft_length if args.draft_length == "adaptive" else int(args.draft_length),
+                      tree_size=int(args.tree_size) if args.tree_size else None, max_batch=int(args.max_batch),
+                      min_draft_length=int(args.min_draft_length), max_draft_length=int(args.max_draft_length),
+                      adjust_interval_ms=float(args.adjust_interval_ms), rejection_alert=float(args.rejection_alert),
+                      kv_budget_tokens=int(args.kv_budget_tokens), max_waiting=int(args.max_waiting))
 
 
 async def serve_scheduler(args) -> None:
     from transformers import AutoTokenizer
 
     from services.common.loading import resolve_checkpoint
-    from services.scheduler.controller import ControllerConfig
-    from services.scheduler.local_draft import LOCAL, LocalDraft
+    from services.common.tracing import RequestSpans
+    from services.scheduler.core import StepCore, Target
     from services.scheduler.loop import SchedulerLoop
+    from services.scheduler.observers import MetricsObserver, SpansObserver
+    from services.scheduler.priors import Priors
+    from services.scheduler.replicas import RemoteWorkers
     from services.scheduler.servicer import SchedulerServicer
-    from services.scheduler.telemetry import Telemetry
-    from services.scheduler.workers import ReplicaSet
     from specserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 
-    verifiers = ReplicaSet("verifier", split_addrs(args.verifier_addrs))
-    info = await _wait_for_info(verifiers)  # the target's facts come from a verifier
-    draft_addrs = split_addrs(args.draft_addrs)
-    if LOCAL in draft_addrs:  # n-gram lookup in this process: no draft hop
-        if len(draft_addrs) > 1:
-            raise ValueError(f"--draft-addrs {LOCAL} drafts in the scheduler; it takes no other replica")
-        drafts = ReplicaSet("draft", [], replicas=[LocalDraft(info)])
-    else:
-        drafts = ReplicaSet("draft", draft_addrs)
+    spans = RequestSpans("specserve.scheduler")  # the servicer opens each request's span
+    verifiers = RemoteWorkers("verifier", split_addrs(args.verifier_addrs), spans)
+    info = await verifiers.info()  # the target's facts come from a verifier
+    drafts, draft_name = await _drafts(args, info, spans)
     tokenizer = AutoTokenizer.from_pretrained(resolve_checkpoint(args.target))
-    eos = set(info.eos_token_ids)
-    if tokenizer.eos_token_id is not None:
-        eos.add(tokenizer.eos_token_id)
-    pair = f"{args.target}|{await _draft_name(drafts)}"
-    telemetry = Telemetry(args.redis_url, pair)
-    tree_size = int(args.tree_size) if args.tree_size else None
+    eos = set(info.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+    pair = f"{args.target}|{draft_name}"
+    priors = Priors(args.redis_url, pair)
     metrics = SchedulerMetrics(Registry("scheduler"))
-    controller = ControllerConfig(min_draft_length=int(args.min_draft_length),
-                                  max_draft_length=int(args.max_draft_length),
-                                  adjust_interval_ms=float(args.adjust_interval_ms),
-                                  rejection_alert=float(args.rejection_alert), route_rows=info.route_rows)
-    loop = SchedulerLoop(tokenizer, tuple(sorted(eos)), info.max_positions, drafts, verifiers, telemetry,
-                         draft_length=args.draft_length, max_draft_length=int(args.max_draft_length),
-                         tree_size=tree_size, max_batch=int(args.max_batch), controller=controller,
-                         metrics=metrics, kv_budget_tokens=int(args.kv_budget_tokens),
-                         max_waiting=int(args.max_waiting), vocab_size=info.vocab_size)
-    metrics.watch_queue(lambda: len(loop.waiting), lambda: len(loop.running))
+    target = Target(tokenizer, tuple(sorted(eos)), info.max_positions, info.vocab_size, info.route_rows)
+    core = StepCore(_step_config(args), target, verifiers, drafts, priors,
+                    [MetricsObserver(metrics), SpansObserver(spans)])
+    loop = SchedulerLoop(core, metrics, spans)
+    _watch(metrics, core)
     metrics.registry.serve(args.host, int(args.metrics_port))
-    if loop.controller is not None:
-        await _warm_up(loop, info.vocab_size)
+    try:
+        await core.warm_up(pair)
+    except Exception as e:  # a replica not up yet: the model learns from the first real steps instead
+        log.warning("warm-up measurement failed (%s); starting from default latency estimates", e)
     sched_info = common_pb2.InfoResponse(model=info.model, vocab_size=info.vocab_size,
                                          max_positions=info.max_positions, eos_token_ids=sorted(eos),
                                          role="scheduler")
@@ -123,45 +165,17 @@ async def serve_scheduler(args) -> None:
         await server.run(float(args.grace_period), on_drain=loop.drain)
     finally:
         task.cancel()
-        await telemetry.close()
+        await priors.close()
         await drafts.close()
         await verifiers.close()
 
 
-async def _warm_up(loop, vocab_size: int) -> None:
-    """Seed the controller's latency model from a few measured steps on the first replicas."""
-    from services.scheduler.calibration import calibrate_remote
-
-    cfg = loop.controller.config
-    verifier = loop.verifiers.replicas[0]
-    draft = loop.drafts.replicas[0] if loop.drafts.replicas else None
-    try:
-        await calibrate_remote(loop.controller.latency, verifier.step, draft.step if draft else None, vocab_size,
-                               cfg.max_draft_length, cfg.tree_width)
-    except Exception as e:  # a replica not up yet: the model learns from the first real steps instead
-        log.warning("warm-up measurement failed (%s); starting from default latency estimates", e)
-
-
-async def _wait_for_info(replicas, timeout_s: float = 600.0) -> common_pb2.InfoResponse:
-    """Workers may still be loading their model: retry until one answers."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while True:
-        for rep in replicas.replicas:
-            try:
-                return await rep.info(timeout=2.0)
-            except Exception as e:  # not up yet
-                last = e
-        if asyncio.get_running_loop().time() > deadline:
-            raise RuntimeError(f"no {replicas.kind} replica answered: {last}")
-        await asyncio.sleep(0.5)
-
-
-async def _draft_name(drafts) -> str:
-    try:
-        info = await _wait_for_info(drafts, timeout_s=600.0)
-        return info.proposer
-    except RuntimeError:
-        return "unknown"
+def _watch(metrics: SchedulerMetrics, core) -> None:
+    """The gauges read from the core: its controller, admission and queue."""
+    if core.controller is not None:
+        metrics.watch_controller(core.controller)
+    metrics.watch_admission(core.admission)
+    metrics.watch_queue(lambda: len(core.waiting), lambda: len(core.running))
 
 
 async def serve_gateway(args) -> None:

@@ -103,8 +103,8 @@ def cmd_spec(args, argv: list[str]) -> int:
     from services.bench.questions import load_questions
     from services.bench.report import meta, spec_markdown
     from services.bench.spec import SpecSettings, run_spec
-    from services.cli import encode_prompt
     from services.common.loading import load_model
+    from services.common.prompt import encode_prompt
 
     settings = SpecSettings(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, repeats=args.repeats, warmup=not args.no_warmup)

@@ -19,7 +19,8 @@ from services.common.loading import LoadedModel, resolve_checkpoint, resolve_dev
 from services.common.sampling import SamplingParams
 from services.draft.factory import build_proposer
 from services.draft.proposer import Proposer
-from services.scheduler.engine import Engine, EngineConfig
+from services.scheduler.core import StepConfig
+from services.scheduler.engine import Engine
 from services.scheduler.policy import DEFAULT_MAX_DRAFT_LENGTH
 
 OURS, HF = "specserve", "hf"
@@ -53,7 +54,8 @@ class Decoder(ABC):
 
 
 class EngineDecoder(Decoder):
-    """This engine in-process (the same scheduler loop as the services), one request at a time."""
+    """This engine in-process (the step the scheduler service runs: services/scheduler/core.py),
+    one request at a time; its latency warm-up runs when it is built, not in a timed decode."""
 
     engine = OURS
     baseline = PLAIN
@@ -63,9 +65,9 @@ class EngineDecoder(Decoder):
                  max_draft_length: int = DEFAULT_MAX_DRAFT_LENGTH):
         self.name, self.draft, self.draft_length = name, draft, draft_length
         try:
-            config = EngineConfig(draft_length=draft_length, tree_size=tree_size, max_draft_length=max_draft_length)
-            self._engine = Engine(target, proposer, config)
-        except TypeError as e:  # an EngineConfig that takes integers only
+            config = StepConfig(draft_length=draft_length, tree_size=tree_size, max_draft_length=max_draft_length)
+            self._engine = Engine(target, proposer, config, draft_name=draft)
+        except TypeError as e:  # a StepConfig that takes integers only
             raise ValueError(f"--draft-length {draft_length!r}: this engine does not accept it ({e})") from None
 
     def decode(self, prompt_ids: list[int], params: SamplingParams) -> Decoded:

@@ -1,11 +1,17 @@
-"""Translation between domain objects and protobuf messages (servicers stay thin)."""
+"""Translation between domain objects and protobuf messages (servicers and the step stay thin).
+
+`DRAFT` and `VERIFIER` translate one kind of worker's step messages both ways: the scheduler
+builds a step message from `WorkItem`s and reads the results back; a worker reads the items and
+builds its result. `generate_event` builds the scheduler's events for the gateway.
+"""
 
 from __future__ import annotations
 
 from services.common.sampling import SamplingParams
-from services.common.tree import DraftTree
-from services.verifier.rejection import Verdict
-from specserve.v1 import common_pb2, verifier_pb2
+from services.common.tree import MAX_TREE_NODES, DraftTree
+from services.common.verdict import Verdict
+from services.common.worker import StepOutput, WorkItem
+from specserve.v1 import common_pb2, draft_pb2, scheduler_pb2, verifier_pb2
 
 
 def params_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
@@ -50,3 +56,85 @@ def verdict_to_pb(request_id: str, v: Verdict) -> verifier_pb2.Verdict:
 
 def verdict_from_pb(msg: verifier_pb2.Verdict) -> Verdict:
     return Verdict(list(msg.accepted_nodes), list(msg.tokens), msg.bonus)
+
+
+def _common_item(it: WorkItem) -> dict:
+    fields = dict(request_id=it.req_id, offset=it.offset, tokens=it.tokens, traceparent=it.traceparent)
+    if it.params is not None:
+        fields["params"] = params_to_pb(it.params)
+    return fields
+
+
+def _item_fields(pb) -> dict:
+    """The fields every kind's item has; ValueError for out-of-range parameters."""
+    params = params_from_pb(pb.params) if pb.HasField("params") else None
+    return dict(req_id=pb.request_id, offset=pb.offset, tokens=list(pb.tokens), params=params,
+                traceparent=pb.traceparent)
+
+
+def _timing(out: StepOutput) -> common_pb2.StepTiming:
+    return common_pb2.StepTiming(compute_ms=out.compute_ms, batch_size=out.batch, tokens=out.tokens)
+
+
+class DraftCodec:
+    kind = "draft"
+
+    @staticmethod
+    def step(step_id: int, items: list[WorkItem], release: list[str]) -> draft_pb2.ProposeStep:
+        return draft_pb2.ProposeStep(step_id=step_id, release=release, items=[
+            draft_pb2.ProposeItem(draft_length=it.draft_length, tree_size=it.tree_size, **_common_item(it))
+            for it in items])
+
+    @staticmethod
+    def results(msg: draft_pb2.ProposeResult) -> list[DraftTree | None]:
+        return [None if p.need_resync else tree_from_pb(p.tree) for p in msg.proposals]
+
+    @staticmethod
+    def items(msg: draft_pb2.ProposeStep) -> list[WorkItem]:
+        return [WorkItem(draft_length=pb.draft_length, tree_size=pb.tree_size, **_item_fields(pb)) for pb in msg.items]
+
+    @staticmethod
+    def result(step_id: int, items: list[WorkItem], out: StepOutput) -> draft_pb2.ProposeResult:
+        proposals = [draft_pb2.Proposal(request_id=it.req_id, need_resync=True) if tree is None else
+                     draft_pb2.Proposal(request_id=it.req_id, tree=tree_to_pb(tree))
+                     for it, tree in zip(items, out.results)]
+        return draft_pb2.ProposeResult(step_id=step_id, proposals=proposals, timing=_timing(out))
+
+
+class VerifierCodec:
+    kind = "verifier"
+
+    @staticmethod
+    def step(step_id: int, items: list[WorkItem], release: list[str]) -> verifier_pb2.VerifyStep:
+        return verifier_pb2.VerifyStep(step_id=step_id, release=release, items=[
+            verifier_pb2.VerifyItem(tree=tree_to_pb(it.tree or DraftTree()), **_common_item(it)) for it in items])
+
+    @staticmethod
+    def results(msg: verifier_pb2.VerifyResult) -> list[Verdict | None]:
+        return [None if v.need_resync else verdict_from_pb(v) for v in msg.verdicts]
+
+    @staticmethod
+    def items(msg: verifier_pb2.VerifyStep) -> list[WorkItem]:
+        return [WorkItem(tree=tree_from_pb(pb.tree, MAX_TREE_NODES), **_item_fields(pb)) for pb in msg.items]
+
+    @staticmethod
+    def result(step_id: int, items: list[WorkItem], out: StepOutput) -> verifier_pb2.VerifyResult:
+        verdicts = [verifier_pb2.Verdict(request_id=it.req_id, need_resync=True) if v is None else
+                    verdict_to_pb(it.req_id, v) for it, v in zip(items, out.results)]
+        return verifier_pb2.VerifyResult(step_id=step_id, verdicts=verdicts, timing=_timing(out))
+
+
+DRAFT, VERIFIER = DraftCodec(), VerifierCodec()
+
+
+def generate_event(tokens: list[int], text: str, finish_reason: str = "", error: str = "",
+                   summary: dict | None = None) -> scheduler_pb2.GenerateEvent:
+    """One event of a Generate stream; the last carries the finish reason and the usage."""
+    event = scheduler_pb2.GenerateEvent(token_ids=tokens, text=text, finish_reason=finish_reason, error=error)
+    if summary is not None:
+        s = summary
+        event.usage.CopyFrom(scheduler_pb2.Usage(
+            prompt_tokens=s["prompt_tokens"], completion_tokens=s["completion_tokens"], steps=s["steps"],
+            drafted_tokens=s["drafted_tokens"], accepted_tokens=s["accepted_tokens"],
+            mean_accepted_length=s["mean_accepted_length"], acceptance_rate=s["acceptance_rate"]))
+    return event

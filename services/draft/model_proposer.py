@@ -8,7 +8,7 @@ the draft's distribution at that node before anything is sampled, so at temperat
 sampled children (drawn without replacement from q, the draft's distribution truncated to its
 `q_support` most likely tokens) keep exactly the q recorded with them.
 
-Draft KV cache per request: slots [0, len(cached)) hold committed tokens, the tree nodes fed to
+Draft KV cache per request (its sequence's): slots [0, len(cached)) hold committed tokens, the tree nodes fed to
 the draft follow in node order. On the next step the accepted path is found by walking the new
 committed tokens down the previous tree, and `KVCache.keep` moves its KV next to the prefix.
 
@@ -20,11 +20,10 @@ q is the softmax over them (zero elsewhere), mapped back to target ids. The qual
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
-from services.common.kv_cache import KVCache
 from services.common.llama import Chunk, LlamaModel
 from services.common.sampling import warp_probs
 from services.common.tree import MAX_TREE_NODES, DraftTree
@@ -34,12 +33,12 @@ from services.draft.slim_guard import SlimGuard
 
 
 @dataclass
-class _State:
-    cache: KVCache
-    cached: list[int] = field(default_factory=list)  # committed tokens in slots 0..len-1
-    tree: DraftTree | None = None  # the previous step's tree
-    tree_slim: bool = False  # whether the slim head drafted it
-    fed: int = 0  # nodes 0..fed-1 of that tree have KV in slots len(cached)..
+class _Drafted:
+    """The tree a request's last step drafted, kept in its sequence's `scratch`."""
+
+    tree: DraftTree
+    slim: bool  # whether the slim head drafted it
+    fed: int = 0  # nodes 0..fed-1 of the tree have KV in slots len(seq.cached)..
 
 
 @dataclass
@@ -47,7 +46,6 @@ class _Work:
     """One request's tree being built in this step."""
 
     item: ProposeItem
-    state: _State
     tree: DraftTree
     width: int  # nodes per level
     frontier: list[tuple[int, float]]  # (node, path probability) of the last level; node -1 = root
@@ -65,16 +63,6 @@ class ModelProposer(Proposer):
         self.vocab_size = vocab_size  # the target's; draft logits beyond it are masked
         self.branch = branch
         self.q_support = q_support
-        self._states: dict[str, _State] = {}
-
-    def active_requests(self) -> list[str]:
-        return list(self._states)
-
-    def release(self, req_id: str) -> None:
-        self._states.pop(req_id, None)
-
-    def cache_bytes(self) -> int:
-        return sum(st.cache.nbytes() for st in self._states.values())
 
     def slim_state(self) -> dict | None:
         """SlimSpec's state (mode, calibrated and rolling rates, fallbacks); None without SlimSpec."""
@@ -83,40 +71,23 @@ class ModelProposer(Proposer):
         state = self.guard.state() if self.guard is not None else {"mode": "slim", "fallbacks": 0}
         return {**state, "kept": int(self.slim.kept.numel())}
 
-    def _sync(self, item: ProposeItem) -> tuple[_State, list[int]]:
-        """Bring the request's cache up to its committed tokens; returns the pending tokens."""
-        st = self._states.get(item.req_id)
-        if st is None:
-            st = _State(self.model.new_cache(len(item.tokens) + 2 * item.tree_size + 64))
-            self._states[item.req_id] = st
-        n = len(st.cached)
-        if item.tokens[:n] != st.cached:  # stale: roll back to the common prefix
-            common = 0
-            while common < min(n, len(item.tokens)) and st.cached[common] == item.tokens[common]:
-                common += 1
-            st.cached, st.tree, st.fed = st.cached[:common], None, 0
-            st.cache.truncate(common)
-            n = common
-        path: list[int] = []
-        if st.tree is not None and self.guard is not None:
-            self.guard.observe(len(st.tree), _accepted_length(st.tree, item.tokens[n:]), st.tree_slim)
-        if st.tree is not None:  # walk the new committed tokens down the previous tree
-            kids = st.tree.children()
-            node = -1
-            for tok in item.tokens[n:]:
-                child = next((c for c in kids[node + 1]
-                              if c < st.fed and st.tree.tokens[c] == tok), None)
-                if child is None:
-                    break
-                path.append(child)
-                node = child
-        st.cache.keep(n, [n + c for c in path])
-        st.cached = st.cached + item.tokens[n : n + len(path)]
-        st.tree, st.fed = None, 0
-        if len(st.cached) == len(item.tokens):  # the root must be fed to get its distribution
-            st.cached.pop()
-            st.cache.truncate(len(st.cached))
-        return st, item.tokens[len(st.cached) :]
+    def _sync(self, item: ProposeItem) -> list[int]:
+        """Bring the request's cache up to its committed tokens: keep the KV of the previous
+        tree's path that the new committed tokens walk down. Returns the tokens to feed."""
+        seq = item.seq
+        if seq.cache is None:
+            seq.cache = self.model.new_cache(len(seq.tokens) + 2 * item.tree_size + 64)
+        last, seq.scratch = seq.scratch, None
+        if seq.sync():  # stale (or nothing new): the tree's KV went with the rollback
+            last = None
+        if last is not None:
+            new = seq.tokens[len(seq.cached):]
+            if self.guard is not None:
+                self.guard.observe(len(last.tree), len(_walk(last.tree, new, len(last.tree))), last.slim)
+            path = _walk(last.tree, new, last.fed)
+            seq.keep_path(path, new[: len(path)])
+            seq.sync()  # the root must be fed to get its distribution
+        return seq.tokens[len(seq.cached):]
 
     def _distributions(self, works: list[_Work], logits: list[torch.Tensor],
                        kept: torch.Tensor | None) -> list[tuple]:
@@ -125,7 +96,7 @@ class ModelProposer(Proposer):
         out = []
         for w, lg in zip(works, logits):
             lg = lg[:, : self.vocab_size] if kept is None else lg  # [rows, vocab or kept]
-            p = w.item.params
+            p = w.item.seq.params
             probs = lg.float().softmax(-1) if p.greedy else warp_probs(lg, p.temperature, p.top_k, p.top_p)
             k = min(self.q_support if not p.greedy else self.branch, probs.shape[-1])
             vals, ids = torch.topk(probs, k, dim=-1)  # [rows, K], sorted descending
@@ -150,7 +121,7 @@ class ModelProposer(Proposer):
         counts = [0] * len(w.frontier)
         for _, row in cands[:budget]:
             counts[row] += 1
-        greedy = w.item.params.greedy
+        greedy = w.item.seq.params.greedy
         new = []
         for row, ((node, score), b) in enumerate(zip(w.frontier, counts)):
             if b == 0:
@@ -160,7 +131,7 @@ class ModelProposer(Proposer):
                     tok = qi[row][r]
                     new.append((w.tree.add(tok, node, [tok], [1.0]), score * qv[row][r]))
                 continue
-            picks = torch.multinomial(vals[row], b, replacement=False, generator=w.item.generator).tolist()
+            picks = torch.multinomial(vals[row], b, replacement=False, generator=w.item.seq.generator).tolist()
             q = list(qv[row])
             for j in picks:  # sibling i was drawn from q without the siblings before it
                 total = sum(q)
@@ -182,17 +153,16 @@ class ModelProposer(Proposer):
         for i, it in enumerate(items):
             if it.draft_length <= 0 or it.tree_size <= 0:
                 continue
-            st, pending = self._sync(it)
-            st.tree, st.tree_slim = trees[i], use_slim
-            works.append(_Work(it, st, trees[i], max(1, math.ceil(it.tree_size / it.draft_length)),
-                               [(-1, 1.0)]))
-            chunks.append(Chunk(st.cache, pending, list(range(-1, len(pending) - 1)),
+            pending = self._sync(it)
+            it.seq.scratch = _Drafted(trees[i], use_slim)
+            works.append(_Work(it, trees[i], max(1, math.ceil(it.tree_size / it.draft_length)), [(-1, 1.0)]))
+            chunks.append(Chunk(it.seq.cache, pending, list(range(-1, len(pending) - 1)),
                                 logits_from=len(pending) - 1))
         if not works:
             return trees
         logits = model.forward(chunks)  # level 0: the root's distribution, [1, vocab or kept] each
         for w in works:
-            w.state.cached = w.item.tokens[:]
+            w.item.seq.cached = list(w.item.seq.tokens)
         depth = 1
         while works:
             dists = self._distributions(works, logits, kept)
@@ -201,24 +171,24 @@ class ModelProposer(Proposer):
             works, chunks = [], []
             for w, new in grown:
                 if new and depth <= w.item.draft_length and len(w.tree) < w.item.tree_size:
-                    st = w.state
-                    chunks.append(Chunk(st.cache, [w.tree.tokens[n] for n in new],
-                                        w.tree.parents[: st.fed + len(new)], logits_from=0,
-                                        tree_start=len(st.cached)))
-                    st.fed += len(new)
+                    seq, drafted = w.item.seq, w.item.seq.scratch
+                    chunks.append(Chunk(seq.cache, [w.tree.tokens[n] for n in new],
+                                        w.tree.parents[: drafted.fed + len(new)], logits_from=0,
+                                        tree_start=len(seq.cached)))
+                    drafted.fed += len(new)
                     works.append(w)
             if works:
                 logits = model.forward(chunks)  # [len(new), vocab or kept] each
         return trees
 
 
-def _accepted_length(tree: DraftTree, committed: list[int]) -> int:
-    """How many nodes of `tree` the newly committed tokens walk down (its accepted path)."""
+def _walk(tree: DraftTree, committed: list[int], fed: int) -> list[int]:
+    """The nodes (among the first `fed`, which have KV) that `committed` walks down from the root."""
     kids = tree.children()
-    node, n = -1, 0
+    node, path = -1, []
     for tok in committed:
-        node = next((c for c in kids[node + 1] if tree.tokens[c] == tok), None)
+        node = next((c for c in kids[node + 1] if c < fed and tree.tokens[c] == tok), None)
         if node is None:
             break
-        n += 1
-    return n
+        path.append(node)
+    return path

@@ -38,7 +38,7 @@ class NgramProposer(Proposer):
         self.max_continuations, self.max_matches = max_continuations, max_matches
 
     def propose(self, items: list[ProposeItem]) -> list[DraftTree]:
-        return [self.tree(it.tokens, it.draft_length, it.tree_size) for it in items]
+        return [self.tree(it.seq.tokens, it.draft_length, it.tree_size) for it in items]
 
     def matches(self, tokens: list[int], length: int) -> list[tuple[tuple[int, ...], int]]:
         """Up to max_matches (continuation of at most `length` tokens, match length) for the

@@ -5,25 +5,22 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-import torch
-
-from services.common.sampling import SamplingParams
+from services.common.sequence import Sequence
 from services.common.tree import DraftTree
+from services.common.worker import StepWork, WorkItem
 
 
 @dataclass
 class ProposeItem:
-    req_id: str
-    tokens: list[int]  # every committed token of the request (prompt + output so far)
+    seq: Sequence  # the request: committed tokens, parameters, random stream, the draft's KV cache
     draft_length: int  # maximum tree depth k; 0 = no speculation this step
     tree_size: int  # node budget; equal to draft_length = a chain
-    params: SamplingParams
-    generator: torch.Generator | None  # the request's draft random stream (T > 0)
 
 
 class Proposer(ABC):
-    """Proposes one draft tree per request per step; keeps whatever per-request state it needs,
-    rebuilt from the committed tokens when missing or stale."""
+    """Proposes one draft tree per request per step. What it keeps per request lives in the
+    request's sequence (its cache, `scratch`), rebuilt from the committed tokens when missing or
+    stale, and freed with it."""
 
     name = "proposer"
     max_positions: int | None = None  # the draft's context, when it has one
@@ -33,12 +30,22 @@ class Proposer(ABC):
     def propose(self, items: list[ProposeItem]) -> list[DraftTree]:
         """One tree per item (empty when item.draft_length == 0)."""
 
-    def release(self, req_id: str) -> None:
-        """Forget a finished or cancelled request."""
 
-    def active_requests(self) -> list[str]:
-        return []
+class ProposeWork(StepWork):
+    """A draft worker's step: one tree per item from its proposer (none asked: an empty tree)."""
 
-    def cache_bytes(self) -> int:
-        """Bytes of per-request cache held (0 for a proposer without one)."""
-        return 0
+    def __init__(self, proposer: Proposer):
+        self.proposer = proposer
+        self.runs_model = proposer.runs_model
+
+    def run(self, work: list[tuple[Sequence, WorkItem]]) -> list[DraftTree]:
+        asked = [ProposeItem(seq, it.draft_length, it.tree_size) for seq, it in work if it.draft_length > 0]
+        trees = iter(self.proposer.propose(asked) if asked else [])
+        return [next(trees) if it.draft_length > 0 else DraftTree() for _, it in work]
+
+    def tokens(self, work, results) -> int:
+        return sum(len(t) for t in results if t is not None)
+
+    def span_attributes(self, item: WorkItem, result: DraftTree | None) -> dict:
+        return {"specserve.draft_length": item.draft_length, "specserve.tree_size": item.tree_size,
+                "specserve.tree_nodes": len(result) if result is not None else 0}

@@ -4,8 +4,9 @@ Synthetic requests (fixed token ids) go through the real path: one request per t
 prefilled (not measured), then every size is verified with an n-node chain in rounds, one size
 after another within a round, so that a machine whose speed drifts shifts every size alike
 instead of tilting the fitted cost per node; then each is drafted to each depth k. Each shape is
-one observation, the median of its runs after the first. The same plan runs over gRPC (the
-scheduler at start) and in-process (the engine).
+one observation, the median of its runs after the first. It runs through the step's own workers
+(services/scheduler/workers.py), so the scheduler service (over gRPC) and the in-process engine
+measure alike, when they start; the result is cached (calibration_cache.py).
 """
 
 from __future__ import annotations
@@ -13,13 +14,13 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
-from services.common import codec
 from services.common.sampling import SamplingParams
 from services.common.tree import DraftTree
+from services.scheduler import calibration_cache
 from services.scheduler.latency import LatencyModel, RowCurve, StepShape
-from specserve.v1 import draft_pb2, verifier_pb2
+from services.scheduler.workers import Work, Workers
 
 log = logging.getLogger(__name__)
 
@@ -83,78 +84,70 @@ def _log_fit(latency: LatencyModel) -> None:
              shape, [round(w, 2) for w in latency.draft.weights])
 
 
-async def calibrate_remote(latency: LatencyModel, verify: Callable[[object], Awaitable[object]],
-                           propose: Callable[[object], Awaitable[object]] | None, vocab_size: int,
-                           max_k: int, width: int) -> None:
-    """Over gRPC: `verify` / `propose` send one VerifyStep / ProposeStep to a replica and return
-    its result (the step streams of one verifier and one draft replica)."""
-    params = codec.params_to_pb(SamplingParams(max_tokens=PROMPT_LEN * 4))
-    sizes = tree_sizes(max_k, width, latency.route_rows)
-    tokens = {n: synthetic_prompt(vocab_size, salt) for salt, n in enumerate(sizes)}
-    sent = dict.fromkeys(sizes, 0)
-    times: dict[int, list[float]] = {n: [] for n in sizes}
-    for rnd in range(REPEATS + 1):  # round 0 is the prefill
-        for n in sizes:
-            item = verifier_pb2.VerifyItem(request_id=f"__calibration_{n}__", offset=sent[n],
-                                           tokens=tokens[n][sent[n]:],
-                                           tree=codec.tree_to_pb(synthetic_chain(n if rnd else 0, vocab_size)),
-                                           params=params)
-            t0 = time.perf_counter()
-            res = await verify(verifier_pb2.VerifyStep(items=[item]))
-            if rnd:
-                times[n].append(_ms(t0))
-            sent[n] = len(tokens[n])
-            tokens[n] = tokens[n] + list(res.verdicts[0].tokens)
-    fit_verify(latency, times)
-    await verify(verifier_pb2.VerifyStep(release=[f"__calibration_{n}__" for n in sizes]))
-    for n in sizes if propose is not None else []:
-        if n == 0 or n > max_k * width:
-            continue
-        rid, k, runs = f"__calibration_{n}__", min(max_k, n), []
-        for rep in range(REPEATS + 1):
-            first = rep == 0  # sends the tokens; later rounds propose again from the same ones
-            item = draft_pb2.ProposeItem(request_id=rid, offset=0 if first else len(tokens[n]),
-                                         tokens=tokens[n] if first else [], draft_length=k, tree_size=n,
-                                         params=params)
-            t0 = time.perf_counter()
-            res = await propose(draft_pb2.ProposeStep(items=[item]))
-            runs.append(_ms(t0))
-            nodes = len(res.proposals[0].tree.tokens)
-        if nodes:  # the same tokens each round: the same tree
-            latency.draft.observe(StepShape(1, 1, nodes, k).draft_features(), settled(runs[1:]))
-        await propose(draft_pb2.ProposeStep(release=[rid]))
-    _log_fit(latency)
-
-
-def calibrate_local(latency: LatencyModel, verifier, proposer, vocab_size: int, max_k: int, width: int) -> None:
-    """In-process: the engine's Verifier and Proposer."""
-    from services.draft.proposer import ProposeItem
-    from services.verifier.verifier import VerifyItem
-
+async def calibrate(latency: LatencyModel, verifiers: Workers, drafts: Workers | None, vocab_size: int,
+                    max_k: int, width: int) -> None:
+    """Measure through the step's own workers (in-process or remote alike) and fit `latency`."""
     params = SamplingParams(max_tokens=PROMPT_LEN * 4)
     sizes = tree_sizes(max_k, width, latency.route_rows)
     tokens = {n: synthetic_prompt(vocab_size, salt) for salt, n in enumerate(sizes)}
     times: dict[int, list[float]] = {n: [] for n in sizes}
     for rnd in range(REPEATS + 1):  # round 0 is the prefill
         for n in sizes:
+            rid = f"__calibration_{n}__"
             t0 = time.perf_counter()
-            verdict = verifier.verify([VerifyItem(f"__calibration_{n}__", tokens[n],
-                                                  synthetic_chain(n if rnd else 0, vocab_size), params, None)])[0]
+            reply = await verifiers.step(rnd, [Work(rid, tokens[n], params, tree=synthetic_chain(n if rnd else 0,
+                                                                                               vocab_size))])
+            if rid not in reply.results:
+                raise RuntimeError(f"the verifier did not answer the warm-up's {n}-node step")
             if rnd:
                 times[n].append(_ms(t0))
-            tokens[n] = tokens[n] + list(verdict.tokens)
+            tokens[n] = tokens[n] + list(reply.results[rid].tokens)
     fit_verify(latency, times)
     for n in sizes:
-        verifier.release(f"__calibration_{n}__")
-    for n in sizes if proposer is not None else []:
+        verifiers.release(f"__calibration_{n}__")
+    if drafts is not None:
+        await _calibrate_draft(latency, drafts, tokens, params, max_k, width)
+    await verifiers.flush()
+    _log_fit(latency)
+
+
+async def _calibrate_draft(latency: LatencyModel, drafts: Workers, tokens: dict[int, list[int]],
+                           params: SamplingParams, max_k: int, width: int) -> None:
+    """Draft each size's tokens to depth min(max_k, n) in n nodes; later rounds propose again
+    from the same tokens (only the first sends them), so each round drafts the same tree."""
+    for n, toks in tokens.items():
         if n == 0 or n > max_k * width:
             continue
-        rid, k, runs = f"__calibration_{n}__", min(max_k, n), []
-        for _ in range(REPEATS + 1):
+        rid, k, runs, tree = f"__calibration_{n}__", min(max_k, n), [], None
+        for rnd in range(REPEATS + 1):
             t0 = time.perf_counter()
-            tree = proposer.propose([ProposeItem(rid, tokens[n], k, n, params, None)])[0]
+            reply = await drafts.step(rnd, [Work(rid, toks, params, draft_length=k, tree_size=n)])
             runs.append(_ms(t0))
-        if len(tree):  # the same tokens each round: the same tree
+            tree = reply.results.get(rid)
+        if tree is not None and len(tree):
             latency.draft.observe(StepShape(1, 1, len(tree), k).draft_features(), settled(runs[1:]))
-        proposer.release(rid)
-    _log_fit(latency)
+        drafts.release(rid)
+    await drafts.flush()
+
+
+@dataclass
+class WarmUp:
+    seconds: float
+    cached: bool  # reused a cached calibration instead of measuring
+
+
+async def warm_up(latency: LatencyModel, verifiers: Workers, drafts: Workers | None, vocab_size: int,
+                  pair: str, max_k: int, width: int) -> WarmUp:
+    """Seed `latency` before serving: from the cache when this machine and code measured this
+    model pair before, else by measuring (then cached)."""
+    t0 = time.perf_counter()
+    key = calibration_cache.cache_key(pair, latency.route_rows, max_k, width)
+    state = calibration_cache.load(key)
+    if state is not None:
+        latency.load_state(state)
+        log.info("warm-up: reusing the cached calibration of %s", pair)
+        _log_fit(latency)
+        return WarmUp(time.perf_counter() - t0, cached=True)
+    await calibrate(latency, verifiers, drafts, vocab_size, max_k, width)
+    calibration_cache.save(key, latency.state())
+    return WarmUp(time.perf_counter() - t0, cached=False)

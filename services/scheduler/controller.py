@@ -1,11 +1,11 @@
 """DraftController: the adaptive draft length of every running request, step by step.
 
-It keeps one `Acceptance` per request (seeded from the shared prior of the request's class), one
-`LatencyModel` for the step, re-plans with `policy.plan` at most every `adjust_interval_ms`
-(and whenever a request joins), learns from every step, and says what it decided in logs. Once
-the trees are proposed, `trim` keeps the nodes whose calibrated confidence pays for their
-verification (trim.py). Plain Python: the same object serves the gRPC scheduler and the
-in-process engine.
+It keeps one `Acceptance` per request (acceptance.py; seeded from the shared prior of the
+request's class), one `LatencyModel` for the step, re-plans with `policy.plan` at most every
+`adjust_interval_ms` (and whenever a request joins), learns from every step, and says what it
+decided in logs. Once the trees are proposed, `trim` keeps the nodes whose calibrated confidence
+pays for their verification (trim.py). Plain Python: the same object serves the gRPC scheduler
+and the in-process engine.
 """
 
 from __future__ import annotations
@@ -17,13 +17,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.common.tree import DraftTree
+from services.scheduler.acceptance import Acceptance, NodeCalibration, RequestScale
 from services.scheduler.latency import LatencyModel, StepShape
-from services.scheduler.policy import DEFAULT_MAX_DRAFT_LENGTH, Acceptance, Candidate, Plan, expected_tokens, plan
-from services.scheduler.trim import NodeCalibration, RequestScale, trim, trimmable
+from services.scheduler.policy import DEFAULT_MAX_DRAFT_LENGTH, Candidate, Plan, expected_tokens, plan
+from services.scheduler.trim import trim, trimmable
 
 log = logging.getLogger(__name__)
 
-Priors = Callable[[str], list]  # request class -> [alpha_1..alpha_max or None]
+PriorLookup = Callable[[str], list]  # request class -> [alpha_1..alpha_max or None]
 
 
 @dataclass
@@ -60,7 +61,7 @@ class Decision:
 
 class DraftController:
     def __init__(self, config: ControllerConfig, latency: LatencyModel | None = None,
-                 priors: Priors | None = None, clock: Callable[[], float] = time.monotonic):
+                 priors: PriorLookup | None = None, clock: Callable[[], float] = time.monotonic):
         config.validate()
         self.config = config
         self.latency = latency or LatencyModel(route_rows=config.route_rows)

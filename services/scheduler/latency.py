@@ -157,6 +157,18 @@ class LinearFit:
     def predict(self, x: tuple[float, ...]) -> float:
         return sum(w * v for w, v in zip(self.weights, x))
 
+    def state(self) -> dict:
+        return {"prior": self.prior, "xtx": self.xtx, "xty": self.xty, "samples": self.samples}
+
+    def load_state(self, state: dict) -> None:
+        if len(state["prior"]) != len(self.prior):
+            raise ValueError(f"a fit of {len(state['prior'])} features cannot load into one of {len(self.prior)}")
+        self.prior = [float(v) for v in state["prior"]]
+        self.xtx = [[float(v) for v in row] for row in state["xtx"]]
+        self.xty = [float(v) for v in state["xty"]]
+        self.samples = int(state["samples"])
+        self._w = None
+
 
 class LatencyModel:
     """Predicted step latency in ms: verify(batch, nodes, route step, row curve) + draft(drafting,
@@ -175,6 +187,16 @@ class LatencyModel:
         """Use a measured row curve from now on (before the warm-up's observations: they are
         fitted with it)."""
         self.curve = curve
+
+    def state(self) -> dict:
+        """Everything fitted so far, as plain JSON values (the warm-up's cache)."""
+        curve = None if self.curve is None else [[r, ms] for r, ms in zip(self.curve.rows, self.curve.ms)]
+        return {"verify": self.verify.state(), "draft": self.draft.state(), "curve": curve}
+
+    def load_state(self, state: dict) -> None:
+        self.verify.load_state(state["verify"])
+        self.draft.load_state(state["draft"])
+        self.curve = None if state["curve"] is None else RowCurve({int(r): float(ms) for r, ms in state["curve"]})
 
     def verify_ms(self, batch: int, nodes: int) -> float:
         return self.verify.predict(StepShape(batch, 0, nodes, 0).verify_features(self.route_rows, self.curve))

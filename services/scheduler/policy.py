@@ -1,11 +1,11 @@
 """The draft-length policy: how many tokens each request drafts this step (plain Python, no torch).
 
-The acceptance model and the plan, over the step's latency model (latency.py: `LatencyModel`,
-fitted from warm-up measurements and every step's telemetry):
+The plan, over each request's per-depth acceptance (acceptance.py: `Acceptance`, alpha_d =
+P(the depth-d draft token is accepted | the path reached depth d - 1), from the request's own
+decayed counts blended with a prior shared by every scheduler of the model pair and request
+class) and the step's latency model (latency.py: `LatencyModel`, fitted from warm-up
+measurements and every step's telemetry):
 
-- `Acceptance`: per-depth acceptance probabilities alpha_d = P(the depth-d draft token is
-  accepted | the path reached depth d - 1) for one request, from its own decayed counts blended
-  with a prior shared by every scheduler of the model pair and request class.
 - `plan`: picks every request's draft length k to maximize the whole batch's expected output
   tokens per second,
 
@@ -31,48 +31,7 @@ from services.scheduler.latency import LatencyModel, StepShape
 DEFAULT_MAX_DRAFT_LENGTH = 16
 
 
-# -- acceptance --------------------------------------------------------------------------------
-def depth_outcomes(depth: int, accepted: int) -> list[tuple[int, bool]]:
-    """(depth d, accepted?) for every depth whose draft token the verifier judged: the path
-    reached d - 1. A step drafting to `depth` with `accepted` tokens accepted."""
-    return [(d, d <= accepted) for d in range(1, min(depth, accepted + 1) + 1)]
-
-
-@dataclass
-class Acceptance:
-    """alpha_d for one request: its own counts (decayed each step) over a prior worth
-    `prior_weight` observations per depth. A depth without a prior (None) takes the rate found
-    one level up, so a request that was never drafted deep is judged by how it does shallow."""
-
-    max_depth: int
-    prior: list[float | None]  # alpha_1..alpha_max_depth, None = unknown
-    prior_weight: float = 4.0
-    decay: float = 0.98  # per step: a half-life of about 34 steps
-    default: float = 0.5  # alpha_1 when nothing is known at all
-    judged: list[float] = field(default_factory=list)
-    accepted: list[float] = field(default_factory=list)
-
-    def __post_init__(self):
-        self.prior = (list(self.prior) + [None] * self.max_depth)[: self.max_depth]
-        self.judged = [0.0] * self.max_depth
-        self.accepted = [0.0] * self.max_depth
-
-    def observe(self, depth: int, accepted: int) -> None:
-        """One step: decay what is known, then count this step's outcomes."""
-        self.judged = [v * self.decay for v in self.judged]
-        self.accepted = [v * self.decay for v in self.accepted]
-        for d, ok in depth_outcomes(min(depth, self.max_depth), accepted):
-            self.judged[d - 1] += 1.0
-            self.accepted[d - 1] += 1.0 if ok else 0.0
-
-    def rates(self) -> list[float]:
-        out, above = [], self.default
-        for a, n, p in zip(self.accepted, self.judged, self.prior):
-            above = (a + self.prior_weight * (above if p is None else p)) / (n + self.prior_weight)
-            out.append(above)
-        return out
-
-
+# -- expected tokens ---------------------------------------------------------------------------
 def expected_gains(rates: list[float], max_k: int) -> list[float]:
     """[E(0), .., E(max_k)]: E(k) is the output tokens of a step drafting k deep (the accepted
     path plus the one the target adds)."""

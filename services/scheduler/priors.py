@@ -1,14 +1,16 @@
-"""Acceptance and latency telemetry in Redis: the priors every scheduler of a model pair shares.
+"""The acceptance priors in Redis: per model pair and request class, shared by every scheduler.
 
-Per step and request the scheduler records, for each draft depth the verifier judged (the path
-reached depth d - 1), whether the depth-d token was accepted; plus tree size and draft and
-verify latency. Counts go to time buckets per model pair and request class, so old data fades:
-a reader weighs bucket b by 0.5 ** (age / half_life). Records are summed and sent in the
-background at most every FLUSH_INTERVAL_S (one pipeline: the summed counters, then the class's
-buckets read back), not once per step: a step every few tens of milliseconds would otherwise
-cost a Redis round trip and thirty bucket reads each, on the cores the verifier needs. A Redis
-outage never fails or slows a request (writes are dropped, logged once per interval, and the
-priors fall back to this scheduler's own decayed counts).
+`Priors` is what seeds a new request's acceptance estimate (acceptance.py: `Acceptance`) with
+the per-depth rates of its class (`AcceptanceStats`), and it is where every step's outcome goes.
+Per step and request the scheduler records (`StepRecord`), for each draft depth the verifier
+judged (the path reached depth d - 1), whether the depth-d token was accepted; plus tree size and
+draft and verify latency. Counts go to time buckets per model pair and request class, so old
+data fades: a reader weighs bucket b by 0.5 ** (age / half_life). Records are summed and sent in
+the background at most every FLUSH_INTERVAL_S (one pipeline: the summed counters, then the
+class's buckets read back), not once per step: a step every few tens of milliseconds would
+otherwise cost a Redis round trip and thirty bucket reads each, on the cores the verifier needs.
+A Redis outage never fails or slows a request (writes are dropped, logged once per interval, and
+the priors fall back to this scheduler's own decayed counts).
 
 Keys (hashes of counters; each bucket expires after `keep_buckets` intervals):
     specserve:accept:{pair}:{class}:{bucket}   judged:{d}, accepted:{d}, steps, tree_nodes
@@ -20,15 +22,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from services.scheduler.policy import depth_outcomes
+from services.scheduler.acceptance import AcceptanceStats, depth_outcomes
 
 log = logging.getLogger(__name__)
 
 LOG_INTERVAL_S = 30.0
 FLUSH_INTERVAL_S = 0.25
-MIN_JUDGED = 10.0  # weighted observations before a depth's shared rate is trusted
 
 
 @dataclass
@@ -41,39 +42,10 @@ class StepRecord:
     verify_ms: float
 
 
-@dataclass
-class AcceptanceStats:
-    """Weighted counts per depth: judged (the path reached d - 1) and accepted."""
+class Priors:
+    """The acceptance priors of one model pair: this scheduler's own counts per request class,
+    and the counts every scheduler of the pair shares in Redis (read back after each write)."""
 
-    judged: dict[int, float] = field(default_factory=dict)
-    accepted: dict[int, float] = field(default_factory=dict)
-
-    def add(self, depth: int, accepted: int, weight: float = 1.0) -> None:
-        for d, ok in depth_outcomes(depth, accepted):
-            self.judged[d] = self.judged.get(d, 0.0) + weight
-            if ok:
-                self.accepted[d] = self.accepted.get(d, 0.0) + weight
-
-    def scale(self, factor: float) -> None:
-        self.judged = {d: v * factor for d, v in self.judged.items()}
-        self.accepted = {d: v * factor for d, v in self.accepted.items()}
-
-    def merge(self, other: "AcceptanceStats", weight: float) -> None:
-        for d, v in other.judged.items():
-            self.judged[d] = self.judged.get(d, 0.0) + weight * v
-        for d, v in other.accepted.items():
-            self.accepted[d] = self.accepted.get(d, 0.0) + weight * v
-
-    def rate(self, depth: int) -> float | None:
-        """P(the depth-th draft token is accepted | the path reached depth - 1), or None."""
-        n = self.judged.get(depth, 0.0)
-        return self.accepted.get(depth, 0.0) / n if n >= MIN_JUDGED else None
-
-    def rates(self, max_depth: int) -> list[float | None]:
-        return [self.rate(d) for d in range(1, max_depth + 1)]
-
-
-class Telemetry:
     def __init__(self, redis_url: str | None, pair: str, bucket_s: float = 60.0, half_life_s: float = 600.0,
                  keep_buckets: int = 30, local_decay: float = 0.999, clock=time.time):
         self.pair = pair

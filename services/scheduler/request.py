@@ -1,14 +1,13 @@
-"""A request as the scheduler owns it: prompt, committed tokens, stopping, statistics."""
+"""A request as the scheduler owns it: prompt, committed tokens, stopping, statistics. (Its random
+streams and KV caches live in the workers' sequences: services/common/sequence.py.)"""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from services.common.detokenizer import Detokenizer
-from services.common.sampling import SamplingParams, make_generator
+from services.common.sampling import SamplingParams
 
 
 @dataclass
@@ -23,22 +22,24 @@ class RequestStats:
 
 class Request:
     def __init__(self, req_id: str, prompt_ids: list[int], params: SamplingParams,
-                 tokenizer, eos_token_ids: tuple[int, ...], draft_length: int, tree_size: int):
+                 tokenizer, eos_token_ids: tuple[int, ...], draft_length: int, tree_size: int,
+                 fixed_k: int | None = None, request_class: str = "default"):
         if not prompt_ids:
             raise ValueError("prompt must contain at least one token")
         self.req_id = req_id
         self.prompt_ids = list(prompt_ids)
         self.params = params
         self.output_ids: list[int] = []
-        self.finish_reason: str | None = None  # "stop" (EOS or stop string) or "length"
-        self.draft_length = draft_length
+        self.finish_reason: str | None = None  # "stop" (EOS or stop string), "length", "cancelled", "error"
+        self.error = ""  # why it failed (finish_reason "error")
+        self.unavailable = False  # failed for want of a worker replica (retryable elsewhere)
+        self.draft_length = draft_length  # the largest k a step may give it
         self.tree_size = tree_size
+        self.fixed_k = fixed_k  # None: the adaptive controller chooses its k every step
+        self.request_class = request_class  # whose acceptance priors it shares (services/scheduler/priors.py)
         self.eos_token_ids = () if params.ignore_eos else eos_token_ids
         self.detok = Detokenizer(tokenizer, params.stop)
         self.stats = RequestStats()
-        greedy = params.greedy
-        self.draft_generator: torch.Generator | None = None if greedy else make_generator(params.seed, 0)
-        self.verify_generator: torch.Generator | None = None if greedy else make_generator(params.seed, 1)
 
     @property
     def tokens(self) -> list[int]:

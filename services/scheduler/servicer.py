@@ -46,7 +46,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             sent = False
             while True:
                 event = await live.events.get()
-                if live.unavailable and not sent:  # nothing streamed yet: the caller may retry elsewhere
+                if live.req.unavailable and not sent:  # nothing streamed yet: the caller may retry elsewhere
                     timer.event(0, "error")
                     await context.abort(grpc.StatusCode.UNAVAILABLE, event.error, (("retry-after", "1"),))
                 timer.event(len(event.token_ids), event.finish_reason)
@@ -68,5 +68,6 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         return self.info
 
     async def State(self, request, context):
-        return common_pb2.StateResponse(request_ids=list(self.loop.by_id), steps=self.loop.steps,
-                                        max_batch_seen=self.loop.max_batch_seen)
+        core = self.loop.core
+        return common_pb2.StateResponse(request_ids=list(core.by_id), steps=core.steps,
+                                        max_batch_seen=core.max_batch_seen)

@@ -6,11 +6,11 @@ draft model's q of the token; the n-gram proposer's share of matched continuatio
 As EAGLE-2's dynamic trees do, the step then verifies only the nodes whose expected gain pays
 for their verification cost:
 
-- `NodeCalibration` turns (depth, c) into alpha = P(node accepted | its parent accepted), counted
-  online per depth and confidence bin (decayed), starting from c itself; a request whose nodes
-  pass more or less often than the calibration expects scales it (its own observed / expected
-  ratio, `RequestScale`). A node's value is its path probability, the product of alpha along its
-  path: the expected tokens it adds.
+- `NodeCalibration` (acceptance.py) turns (depth, c) into alpha = P(node accepted | its parent
+  accepted), counted online per depth and confidence bin (decayed), starting from c itself; a
+  request whose nodes pass more or less often than the calibration expects scales it (its own
+  observed / expected ratio, `RequestScale`, acceptance.py). A node's value is its path
+  probability, the product of alpha along its path: the expected tokens it adds.
 - Verifying a node costs the same whichever node it is (the latency model's cost depends on how
   many nodes, not which), so the set of nodes maximizing the step's expected tokens per ms,
 
@@ -34,10 +34,8 @@ from __future__ import annotations
 import math
 
 from services.common.tree import DraftTree
+from services.scheduler.acceptance import NodeCalibration
 from services.scheduler.latency import LatencyModel
-
-BINS = 10  # confidence bins over [0, 1]
-MAX_DEPTH = 8  # depths beyond share the last row
 
 
 def trimmable(tree: DraftTree, greedy: bool) -> bool:
@@ -55,65 +53,6 @@ def node_confidence(tree: DraftTree) -> list[float]:
     for tok, ids, probs in zip(tree.tokens, tree.q_ids, tree.q_probs):
         out.append(next((float(p) for i, p in zip(ids, probs) if i == tok), 0.0))
     return out
-
-
-class NodeCalibration:
-    """alpha(depth, confidence): counts per (depth, bin) over a prior worth `prior_weight`
-    observations at the bin's own confidence. Every observed tree decays all counts, so a bin that
-    is no longer verified (trimmed for looking bad) drifts back to its prior and gets re-tried."""
-
-    def __init__(self, prior_weight: float = 4.0, decay: float = 0.998):
-        self.prior_weight, self.decay = prior_weight, decay
-        self.judged = [[0.0] * BINS for _ in range(MAX_DEPTH)]
-        self.accepted = [[0.0] * BINS for _ in range(MAX_DEPTH)]
-
-    @staticmethod
-    def _cell(depth: int, conf: float) -> tuple[int, int]:
-        return min(max(depth, 1), MAX_DEPTH) - 1, min(int(conf * BINS), BINS - 1)
-
-    def rate(self, depth: int, conf: float) -> float:
-        d, b = self._cell(depth, conf)
-        prior = (b + 0.5) / BINS
-        return (self.accepted[d][b] + self.prior_weight * prior) / (self.judged[d][b] + self.prior_weight)
-
-    def observe(self, tree: DraftTree, conf: list[float], accepted_nodes: list[int]) -> tuple[float, int]:
-        """Learn from one verified tree: every node whose parent was accepted (or is the root)
-        was judged; the accepted ones passed. Returns (passes the calibration expected of the
-        judged nodes, passes seen)."""
-        accepted = set(accepted_nodes)
-        depths = tree.depths()
-        expected, passed = 0.0, 0
-        for table in (self.judged, self.accepted):
-            for row in table:
-                row[:] = [v * self.decay for v in row]
-        for i, parent in enumerate(tree.parents):
-            if parent >= 0 and parent not in accepted:
-                continue
-            expected += self.rate(depths[i], conf[i])
-            passed += i in accepted
-            d, b = self._cell(depths[i], conf[i])
-            self.judged[d][b] += 1.0
-            self.accepted[d][b] += 1.0 if i in accepted else 0.0
-        return expected, passed
-
-
-class RequestScale:
-    """How one request's nodes fare against the calibration: (passes + w) / (expected + w) over
-    its recent steps (decayed), so a request the shared calibration flatters is trimmed harder.
-    A step whose tree was trimmed away counts as (0, 0): the scale drifts back to 1 and the
-    request's nodes are tried again (an n-gram that failed on one passage may fit the next)."""
-
-    def __init__(self, weight: float = 2.0, decay: float = 0.9):
-        self.weight, self.decay = weight, decay
-        self.expected = self.passed = 0.0
-
-    def observe(self, expected: float, passed: int) -> None:
-        self.expected = self.expected * self.decay + expected
-        self.passed = self.passed * self.decay + passed
-
-    @property
-    def value(self) -> float:
-        return (self.passed + self.weight) / (self.expected + self.weight)
 
 
 def node_values(tree: DraftTree, conf: list[float], calib: NodeCalibration, scale: float = 1.0) -> list[float]:

@@ -18,19 +18,11 @@ bonus token is the argmax itself. Output tokens = accepted tokens + one recovere
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from services.common.sampling import sample
 from services.common.tree import DraftTree
-
-
-@dataclass
-class Verdict:
-    accepted_nodes: list[int]  # tree node indices of the accepted path, root downwards
-    tokens: list[int]  # accepted tokens followed by the recovered or bonus token
-    bonus: bool  # True when the path reached a leaf (no rejection)
+from services.common.verdict import Verdict
 
 
 def accept_greedy(tree: DraftTree, logits: torch.Tensor) -> Verdict:

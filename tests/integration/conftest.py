@@ -14,7 +14,8 @@ import pytest
 from services.common.loading import load_model
 from services.common.sampling import SamplingParams
 from services.draft.model_proposer import ModelProposer
-from services.scheduler.engine import Engine, EngineConfig
+from services.scheduler.core import StepConfig
+from services.scheduler.engine import Engine
 from tests import tiny
 from tests.integration.stack import Stack, free_port, stack_env
 
@@ -89,7 +90,7 @@ def stack(tmp_path_factory, redis_url, home):
             raise RuntimeError(f"gateway HTTP not healthy:\n{gateway.log_tail()}")
         target_model = load_model(str(target))
         proposer = ModelProposer(load_model(str(draft)).model, target_model.config.vocab_size)
-        engine = Engine(target_model, proposer, EngineConfig(draft_length=DRAFT_LENGTH, tree_size=TREE_SIZE))
+        engine = Engine(target_model, proposer, StepConfig(draft_length=DRAFT_LENGTH, tree_size=TREE_SIZE))
         yield RunningStack(st, http_url, gateway.addr, API_KEY, target, draft, engine)
     finally:
         st.stop_all()

@@ -7,7 +7,7 @@ import time
 import httpx
 import pytest
 
-from services.scheduler.telemetry import FLUSH_INTERVAL_S, StepRecord, Telemetry
+from services.scheduler.priors import FLUSH_INTERVAL_S, Priors, StepRecord
 from tests.integration.stack import Stack, free_port, stack_env
 from tests.integration.test_services import PROMPTS, generate
 
@@ -63,13 +63,13 @@ def test_adaptive_scheduler_streams_the_target_greedy_output(tmp_path, home, sta
         st.stop_all()
 
 
-def test_telemetry_sums_fast_steps_into_few_writes_and_loses_none(redis_url):
+def test_priors_sum_fast_steps_into_few_writes_and_lose_none(redis_url):
     """Steps every 20 ms: their records reach Redis summed, in at most one write per
     FLUSH_INTERVAL_S, and the last step's record arrives too."""
     import redis
 
     async def scenario():
-        t = Telemetry(redis_url, "pair-flush")
+        t = Priors(redis_url, "pair-flush")
         writes, write = [], t._write
 
         async def counted(batch):
@@ -100,8 +100,8 @@ def test_schedulers_share_acceptance_priors_through_redis(redis_url):
     """Two schedulers of one model pair: what one learns about a request class is the other's
     prior for it; other classes and pairs are unaffected."""
     async def scenario():
-        a, b = Telemetry(redis_url, "pair-x"), Telemetry(redis_url, "pair-x")
-        other = Telemetry(redis_url, "pair-y")
+        a, b = Priors(redis_url, "pair-x"), Priors(redis_url, "pair-x")
+        other = Priors(redis_url, "pair-y")
         for _ in range(40):
             a.record(StepRecord("team-a", depth=3, accepted=1, nodes=3, draft_ms=1.0, verify_ms=5.0))
         a.flush()

@@ -22,7 +22,8 @@ import pytest
 from services.common.loading import load_model
 from services.common.sampling import SamplingParams
 from services.draft.model_proposer import ModelProposer
-from services.scheduler.engine import Engine, EngineConfig
+from services.scheduler.core import StepConfig
+from services.scheduler.engine import Engine
 from specserve.v1 import common_pb2, draft_pb2_grpc, scheduler_pb2_grpc, verifier_pb2_grpc
 from tests.integration.stack import Stack, free_port, stack_env
 
@@ -70,7 +71,7 @@ def overload(tmp_path_factory, home, tiny_target, tiny_draft):
                            "--http-port", str(http_port))
         target = load_model(str(tiny_target))  # the expected outputs, while the services start
         engine = Engine(target, ModelProposer(load_model(str(tiny_draft)).model, target.config.vocab_size),
-                        EngineConfig(draft_length=DRAFT_LENGTH, tree_size=TREE_SIZE))
+                        StepConfig(draft_length=DRAFT_LENGTH, tree_size=TREE_SIZE))
         expected = {(i, n): engine.generate([p], SamplingParams(max_tokens=n, ignore_eos=True))[0].output_ids
                     for i, p in enumerate(PROMPTS) for n in SIZES}
         for svc in (verifier, drafter, sched, gateway):

@@ -15,11 +15,12 @@ PROMPTS = [[5, 6, 7, 8, 5, 6], [9, 10], [11, 12, 13, 14, 15, 16, 17], [3], [20, 
            [40, 41, 42, 43], [50, 51, 52, 53, 54, 55, 56, 57, 58]]
 
 
-async def generate(addr: str, request_id: str, prompt: list[int], **params) -> dict:
+async def generate(addr: str, request_id: str, prompt: list[int], fixed: dict | None = None, **params) -> dict:
+    """`fixed`: the request's own draft_length and tree_size, if any."""
     async with grpc.aio.insecure_channel(addr) as ch:
         stub = scheduler_pb2_grpc.SchedulerServiceStub(ch)
         req = scheduler_pb2.GenerateRequest(request_id=request_id, prompt_ids=prompt,
-                                            params=common_pb2.SamplingParams(**params))
+                                            params=common_pb2.SamplingParams(**params), **(fixed or {}))
         tokens, text, events = [], "", 0
         async for ev in stub.Generate(req, timeout=120):
             tokens += ev.token_ids
@@ -184,14 +185,15 @@ def test_local_ngram_draft_equals_in_process_engine(tmp_path, home, stack, param
     all) and streams what the in-process engine with the same proposer yields."""
     from services.common.sampling import SamplingParams
     from services.draft.ngram import NgramProposer
-    from services.scheduler.engine import Engine, EngineConfig
+    from services.scheduler.core import StepConfig
+    from services.scheduler.engine import Engine
 
     st = Stack(tmp_path, stack_env(home))
     sched = st.start("scheduler", "--target", str(stack.target), "--draft-addrs", "local",
                      "--verifier-addrs", stack.verifier_addr, "--draft-length", "3")
     try:
         st.wait_healthy(sched)
-        engine = Engine(stack.engine.target, NgramProposer(), EngineConfig(draft_length=3))
+        engine = Engine(stack.engine.target, NgramProposer(), StepConfig(draft_length=3))
         drafted = 0
         for i, prompt in enumerate([PROMPTS[0], PROMPTS[4]]):
             got = asyncio.run(generate(sched.addr, f"local-{params.get('seed')}-{i}", prompt, **params))

@@ -8,7 +8,8 @@ from services.common.loading import load_model
 from services.common.sampling import SamplingParams
 from services.draft.model_proposer import ModelProposer
 from services.draft.ngram import NgramProposer
-from services.scheduler.engine import Engine, EngineConfig
+from services.scheduler.core import StepConfig
+from services.scheduler.engine import Engine
 from services.scheduler.latency import LatencyModel
 from tests import tiny
 from tests.unit import test_distribution as dist
@@ -30,13 +31,13 @@ def prompts():
 def test_adaptive_engine_equals_hf_greedy(models, kind, tree_size):
     target, draft, hf = models
     proposer = ModelProposer(draft.model, target.config.vocab_size) if kind == "model" else NgramProposer()
-    engine = Engine(target, proposer, EngineConfig(draft_length="adaptive", tree_size=tree_size, max_batch=2))
+    engine = Engine(target, proposer, StepConfig(draft_length="adaptive", tree_size=tree_size, max_batch=2))
     ps = prompts()
     reqs = engine.generate(ps, SamplingParams(max_tokens=MAX_NEW))
     for prompt, req in zip(ps, reqs):
         assert req.output_ids == tiny.hf_greedy(hf, prompt, MAX_NEW)
     assert engine.controller.latency.verify.samples > 0  # warm-up and steps were measured
-    assert not engine.verifier.active_requests() and not proposer.active_requests()
+    assert not engine.held_requests()
     assert not engine.controller.accept  # finished requests are forgotten
 
 
@@ -51,7 +52,7 @@ def test_adaptive_engine_samples_the_target_distribution(tmp_path_factory, home,
     target, close = load_model(str(target_dir)), load_model(str(close_dir))
     params = SamplingParams(max_tokens=3, temperature=0.9, top_p=0.95, ignore_eos=True)
     engine = Engine(target, ModelProposer(close.model, dist.V),
-                    EngineConfig(draft_length="adaptive", min_draft_length=1, max_draft_length=3, max_batch=1000,
+                    StepConfig(draft_length="adaptive", min_draft_length=1, max_draft_length=3, max_batch=1000,
                                  tree_size=tree_size))
     counts, reqs = dist.sample_joint(engine, params)
     assert sum(r.stats.drafted for r in reqs) >= dist.SAMPLES  # it did speculate
@@ -69,10 +70,9 @@ def test_adaptive_stops_drafting_a_draft_that_is_never_right(models):
     proposer = ModelProposer(target.model, vocab)
     proposer._distributions = lambda works, logits, *_: [(-lg[:, :vocab].float()).softmax(-1).topk(4, dim=-1)
                                                      for lg in logits]
-    engine = Engine(target, proposer, EngineConfig(draft_length="adaptive", max_draft_length=4))
+    engine = Engine(target, proposer, StepConfig(draft_length="adaptive", max_draft_length=4), warm_up=False)
     # Drafting pays at the prior (alpha 0.5) under this latency law, and not at alpha 0.
     engine.controller.latency = LatencyModel(verify_prior=(10.0, 0.0, 2.0), draft_prior=(0.0, 0.0, 0.5, 0.5))
-    engine._calibrated = True
     req = engine.generate([prompts()[1]], SamplingParams(max_tokens=80, ignore_eos=True))[0]
     assert req.stats.accepted == 0
     assert 1 <= req.stats.drafted <= 12  # it did try, then mostly decoded plainly
@@ -87,11 +87,10 @@ def test_trimmed_ngram_trees_sample_the_target_distribution(tmp_path_factory, ho
     target = load_model(str(target_dir))
     params = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)
     engine = Engine(target, NgramProposer(max_ngram=2),
-                    EngineConfig(draft_length="adaptive", min_draft_length=1, max_draft_length=2, tree_size=4,
-                                 max_batch=200))
+                    StepConfig(draft_length="adaptive", min_draft_length=1, max_draft_length=2, tree_size=4,
+                                 max_batch=200), warm_up=False)
     # A verify cost per node that makes only some nodes pay (its large fixed part makes the real
     # drafting time negligible, so the cut does not depend on this machine's speed).
-    engine._calibrated = True
     engine.controller.latency = LatencyModel(verify_prior=(200.0, 0.0, 0.5), draft_prior=(0.0, 0.0, 0.0, 0.0))
     engine.controller.latency.verify.observe = lambda *a: None  # hold the cost law fixed
     counts, reqs = dist.sample_joint(engine, params)
@@ -105,8 +104,8 @@ def test_prefill_steps_stay_out_of_the_latency_model(models):
     """A request's first step runs its prompt: its time would read as a costly step with few draft
     nodes. The engine keeps it out of the fit, and learns from the decode steps after it."""
     target, _, _ = models
-    engine = Engine(target, NgramProposer(), EngineConfig(draft_length="adaptive"))
-    engine._calibrated = True  # no warm-up: every sample the fit has comes from the steps below
+    # No warm-up: every sample the fit has comes from the steps below.
+    engine = Engine(target, NgramProposer(), StepConfig(draft_length="adaptive"), warm_up=False)
     fit = engine.controller.latency.verify
     req = engine.add_request(list(range(3, 60)), SamplingParams(max_tokens=6))
     engine.step()  # the prefill

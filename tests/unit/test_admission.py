@@ -174,19 +174,18 @@ def test_nonsense_settings_are_refused(bad):
 
 
 # -- the scheduler loop keeps its queue and the books in step ------------------------------------
-class NoReplicas:
-    """Stands in for a ReplicaSet before any step: no request is assigned to a replica yet."""
-
-    def forget(self, req_id):
-        return None
-
-
 def make_loop(**kw):
+    """A scheduler loop whose replicas are never reached (no step runs; channels connect lazily)."""
+    from services.common.metrics import Registry, SchedulerMetrics
+    from services.common.tracing import RequestSpans
+    from services.scheduler.core import StepConfig, StepCore, Target
     from services.scheduler.loop import SchedulerLoop
+    from services.scheduler.replicas import RemoteWorkers
     from tests import tiny
 
-    return SchedulerLoop(tiny.make_tokenizer(64), (2,), 512, NoReplicas(), NoReplicas(), telemetry=None,
-                         draft_length="2", tree_size=3, **kw)
+    core = StepCore(StepConfig(draft_length=2, tree_size=3, **kw), Target(tiny.make_tokenizer(64), (2,), 512, 64),
+                    RemoteWorkers("verifier", ["127.0.0.1:1"]), RemoteWorkers("draft", ["127.0.0.1:2"]))
+    return SchedulerLoop(core, SchedulerMetrics(Registry("scheduler")), RequestSpans("test"))
 
 
 def test_loop_reserves_prompt_max_tokens_and_a_tree_and_releases_on_cancel():
@@ -194,21 +193,24 @@ def test_loop_reserves_prompt_max_tokens_and_a_tree_and_releases_on_cancel():
 
     async def go():
         loop = make_loop(max_batch=1, kv_budget_tokens=100, max_waiting=1)
+        core = loop.core
         loop.submit("a", [5, 6, 7], SamplingParams(max_tokens=20))
-        assert loop.admission.queued == {"a": 3 + 20 + 3 + 1}
+        assert core.admission.queued == {"a": 3 + 20 + 3 + 1}
         loop.submit("b", [5], SamplingParams(max_tokens=10))
         # "a" starts at the next step, "b" waits: one more cannot.
         with pytest.raises(Overloaded):
             loop.submit("c", [5], SamplingParams(max_tokens=10))
         with pytest.raises(ValueError, match="^max_tokens"):
             loop.submit("d", [5] * 10, SamplingParams(max_tokens=90))
-        assert [lv.req.req_id for lv in loop.waiting] == list(loop.admission.queued) == ["a", "b"]
-        assert set(loop.by_id) == {"a", "b"}
+        assert [r.req_id for r in core.waiting] == list(core.admission.queued) == ["a", "b"]
+        assert set(core.by_id) == set(loop.lives) == {"a", "b"}
         loop.cancel("a")
         loop.cancel("b")
-        assert not loop.admission.queued and not loop.by_id and loop.admission.used == 0
+        assert not core.admission.queued and not core.by_id and not loop.lives and core.admission.used == 0
         loop.submit("c", [5], SamplingParams(max_tokens=10))
-        assert loop.admission.rejections == {"queue_full": 1, "exceeds_kv_budget": 1}
+        assert core.admission.rejections == {"queue_full": 1, "exceeds_kv_budget": 1}
+        await core.verifiers.close()
+        await core.drafts.close()
 
     asyncio.run(go())
 

@@ -12,38 +12,43 @@ import torch
 from google.protobuf.message import DecodeError
 
 from services.common import codec
-from services.common.ledger import TokenLedger
 from services.common.loading import load_model
 from services.common.sampling import SamplingParams, warp_probs
+from services.common.sequence import Sequence, Sequences
+from services.common.step_servicer import StepServicer
 from services.common.tree import MAX_TREE_NODES, DraftTree
-from services.common.worker import check_step
+from services.common.worker import StepWorker, WorkItem, check_items
 from services.draft.model_proposer import ModelProposer
 from services.draft.ngram import NgramProposer
-from services.draft.proposer import ProposeItem
-from services.draft.servicer import DraftServicer
+from services.draft.proposer import ProposeItem, ProposeWork
 from services.gateway.validation import MAX_JSON_DEPTH, check_json_depth
 from specserve.v1 import common_pb2, draft_pb2
 from tests.unit.test_gateway_http import assert_openai_error, run
 
 
-# -- workers: the token ledger, step messages, the step stream ----------------------------------
-def test_ledger_refuses_tokens_the_model_cannot_take_and_changes_nothing():
-    led = TokenLedger(vocab_size=64, max_positions=8)
-    assert led.update("r", 0, [1, 2, 3]) == [1, 2, 3]
+# -- workers: their sequences, step messages, the step stream -----------------------------------
+P = SamplingParams(max_tokens=4)
+
+
+def test_sequences_refuse_tokens_the_model_cannot_take_and_change_nothing():
+    seqs = Sequences(1, vocab_size=64, max_positions=8)
+    assert seqs.update("r", 0, [1, 2, 3], P).tokens == [1, 2, 3]
     for offset, tokens, message in [(3, [64], "outside the vocabulary"), (3, [-1], "outside the vocabulary"),
                                     (3, [5] * 6, "exceed the context of 8"), (0, [], "no committed token")]:
         with pytest.raises(ValueError, match=message):
-            led.update("r", offset, tokens)
-    assert led.update("r", 3, [63] * 5) == [1, 2, 3] + [63] * 5  # the refusals left it as it was
-    assert led.update("r", 9, [1]) is None  # an offset it never saw is still a resync, not an error
-    assert TokenLedger().update("r", 0, [10**6]) == [10**6]  # no limits given: no checks
+            seqs.update("r", offset, tokens, P if offset == 0 else None)
+    assert seqs.update("r", 3, [63] * 5).tokens == [1, 2, 3] + [63] * 5  # the refusals left it as it was
+    assert seqs.update("r", 9, [1]) is None  # an offset it never saw is still a resync, not an error
+    assert Sequences(1).update("r", 0, [10**6], P).tokens == [10**6]  # no limits given: no checks
+    with pytest.raises(ValueError, match="no sampling parameters"):  # a first item carries them
+        Sequences(1).update("s", 0, [5])
 
 
 def test_a_step_naming_a_request_twice_is_refused():
-    item = draft_pb2.ProposeItem(request_id="a", tokens=[5])
-    check_step(draft_pb2.ProposeStep(items=[item, draft_pb2.ProposeItem(request_id="b", tokens=[5])]))
+    a, b = WorkItem("a", 0, [5], P), WorkItem("b", 0, [5], P)
+    check_items(1, [a, b])
     with pytest.raises(ValueError, match="'a' appears more than once"):
-        check_step(draft_pb2.ProposeStep(items=[item, item]))
+        check_items(1, [a, a])
 
 
 class Aborted(Exception):
@@ -62,11 +67,11 @@ class FailingProposer(NgramProposer):
         raise RuntimeError("boom")
 
 
-def draft_stream(steps: list, proposer=None) -> tuple[list, grpc.StatusCode, DraftServicer]:
+def draft_stream(steps: list, proposer=None) -> tuple[list, grpc.StatusCode, StepServicer]:
     """Run a Propose stream of `steps` in process (an exception among them is raised by the
     request iterator, as gRPC does for bytes that do not parse): (results, status, the servicer)."""
     info = common_pb2.InfoResponse(vocab_size=64, max_positions=32, role="draft", proposer="ngram")
-    servicer = DraftServicer(proposer or NgramProposer(), info)
+    servicer = StepServicer(StepWorker(info, 0, ProposeWork(proposer or NgramProposer())), codec.DRAFT)
 
     async def go():
         async def steps_in():
@@ -98,7 +103,7 @@ def test_a_request_released_and_sent_again_in_one_step_is_freed_when_the_stream_
     out, code, servicer = draft_stream(steps)
     assert code == grpc.StatusCode.OK and [r.step_id for r in out] == [1, 2]
     assert list(out[1].proposals[0].tree.tokens) == [8, 7]  # proposed from the tokens sent again
-    assert servicer.worker.ledger.ids() == []  # which are freed with the stream (they leaked)
+    assert servicer.worker.sequences.ids() == []  # which are freed with the stream (they leaked)
 
 
 def test_releases_of_a_step_refused_before_it_ran_are_still_freed():
@@ -108,7 +113,7 @@ def test_releases_of_a_step_refused_before_it_ran_are_still_freed():
              draft_pb2.ProposeStep(step_id=2, items=[item("b", 0, [5]), item("b", 0, [5])], release=["a"])]
     out, code, servicer = draft_stream(steps)
     assert code == grpc.StatusCode.INVALID_ARGUMENT and len(out) == 1
-    assert servicer.worker.ledger.ids() == []
+    assert servicer.worker.sequences.ids() == []
 
 
 @pytest.mark.parametrize("bad,code", [
@@ -121,7 +126,7 @@ def test_bad_step_input_is_invalid_argument_and_frees_the_stream(bad, code):
              draft_pb2.ProposeStep(step_id=2, items=[bad])]
     out, got, servicer = draft_stream(steps)
     assert got == code and len(out) == 1
-    assert servicer.worker.ledger.ids() == []
+    assert servicer.worker.sequences.ids() == []
 
 
 def test_a_step_message_that_does_not_parse_is_invalid_argument_not_unknown():
@@ -129,23 +134,23 @@ def test_a_step_message_that_does_not_parse_is_invalid_argument_not_unknown():
     out, code, servicer = draft_stream([draft_pb2.ProposeStep(step_id=1, items=[item("a", 0, [5, 6, 5])]),
                                         bad_bytes])
     assert code == grpc.StatusCode.INVALID_ARGUMENT and len(out) == 1
-    assert servicer.worker.ledger.ids() == []
+    assert servicer.worker.sequences.ids() == []
 
 
 def test_an_unexpected_failure_is_internal_not_unknown_and_frees_the_stream():
     out, code, servicer = draft_stream([draft_pb2.ProposeStep(step_id=1, items=[item("a", 0, [5, 6, 5])])],
                                        FailingProposer())
     assert code == grpc.StatusCode.INTERNAL and out == []
-    assert servicer.worker.ledger.ids() == []
+    assert servicer.worker.sequences.ids() == []
 
 
 def test_model_proposer_caps_the_node_budget(tiny_draft):
     """A tree_size of 2**31 - 1 used to size the request's draft cache (hundreds of GB)."""
     proposer = ModelProposer(load_model(str(tiny_draft)).model, 64)
-    it = ProposeItem("r", [5, 6, 7, 8], 4, 2**31 - 1, SamplingParams(max_tokens=8), None)
-    tree = proposer.propose([it])[0]
+    seq = Sequence("r", SamplingParams(max_tokens=8), None, tokens=[5, 6, 7, 8])
+    tree = proposer.propose([ProposeItem(seq, 4, 2**31 - 1)])[0]
     assert 0 < len(tree) <= MAX_TREE_NODES and max(tree.depths()) <= 4
-    assert proposer.cache_bytes() < 1 << 20
+    assert seq.nbytes() < 1 << 20
 
 
 @pytest.mark.parametrize("temperature", [1e-45, 1e-38])  # float32 subnormals the APIs accept

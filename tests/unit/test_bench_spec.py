@@ -13,7 +13,8 @@ from services.bench.decoders import Decoded, Decoder, EngineDecoder, build_decod
 from services.bench.questions import load_questions
 from services.bench.report import spec_markdown
 from services.bench.spec import ALL, SpecSettings, run_spec
-from services.cli import encode_prompt, main
+from services.cli import main
+from services.common.prompt import encode_prompt
 from services.common.loading import load_model
 
 QUESTIONS = [

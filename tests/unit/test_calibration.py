@@ -1,33 +1,46 @@
-"""The warm-up's measurement plan: sizes measured in interleaved rounds, so drift cancels."""
+"""The warm-up's measurement plan: sizes measured in interleaved rounds, so drift cancels; and
+its cache: a second start on the same machine and code reuses what the first measured."""
 
+import asyncio
 from types import SimpleNamespace
 
 import pytest
 
-from services.scheduler import calibration
+from services.scheduler import calibration, calibration_cache
+from services.scheduler.engine import run_now
 from services.scheduler.latency import LatencyModel
+from services.scheduler.workers import Reply, Workers
 
 
-class DriftingVerifier:
+class DriftingVerifier(Workers):
     """Costs base + per_node * nodes ms, and the machine slows by `drift` ms on every call."""
+
+    kind = "verifier"
 
     def __init__(self, clock, base=20.0, per_node=2.0, drift=0.1):
         self.clock, self.base, self.per_node, self.drift, self.calls = clock, base, per_node, drift, 0
 
-    def verify(self, items):
-        self.clock.now += (self.base + self.per_node * len(items[0].tree) + self.drift * self.calls) / 1e3
+    def cost_ms(self, nodes: int) -> float:
+        return self.base + self.per_node * nodes + self.drift * self.calls
+
+    async def step(self, step_id, works):
+        self.clock.now += self.cost_ms(len(works[0].tree)) / 1e3
         self.calls += 1
-        return [SimpleNamespace(tokens=[1])]
+        return Reply(results={works[0].req_id: SimpleNamespace(tokens=[1])})
 
     def release(self, req_id):
         pass
+
+
+def calibrate(latency, verifier, max_k=4):
+    run_now(calibration.calibrate(latency, verifier, None, vocab_size=100, max_k=max_k, width=1))
 
 
 def test_warm_up_fits_the_cost_per_node_on_a_drifting_machine(monkeypatch):
     clock = SimpleNamespace(now=0.0)
     monkeypatch.setattr(calibration.time, "perf_counter", lambda: clock.now)
     latency = LatencyModel(verify_prior=(30.0, 0.0, 0.0, 0.0))
-    calibration.calibrate_local(latency, DriftingVerifier(clock), None, vocab_size=100, max_k=4, width=1)
+    calibrate(latency, DriftingVerifier(clock))
     # Measured one size after another, the drift over a size's 7 runs would add to every size
     # measured later (+0.7 ms per node here); in rounds only the drift within one round remains
     # (+0.1 ms per node: one call's).
@@ -37,11 +50,9 @@ def test_warm_up_fits_the_cost_per_node_on_a_drifting_machine(monkeypatch):
 class SteppedVerifier(DriftingVerifier):
     """Costs 20 ms at 1 row, 22 ms at 2-6 rows, 27 ms at 7-12, then +1 ms per row (no drift)."""
 
-    def verify(self, items):
-        rows = 1 + len(items[0].tree)
-        ms = 20.0 if rows == 1 else 22.0 if rows <= 6 else 27.0 if rows <= 12 else 27.0 + (rows - 12)
-        self.clock.now += ms / 1e3
-        return [SimpleNamespace(tokens=[1])]
+    def cost_ms(self, nodes: int) -> float:
+        rows = 1 + nodes
+        return 20.0 if rows == 1 else 22.0 if rows <= 6 else 27.0 if rows <= 12 else 27.0 + (rows - 12)
 
 
 def test_warm_up_learns_where_the_verify_cost_steps(monkeypatch):
@@ -50,7 +61,7 @@ def test_warm_up_learns_where_the_verify_cost_steps(monkeypatch):
     clock = SimpleNamespace(now=0.0)
     monkeypatch.setattr(calibration.time, "perf_counter", lambda: clock.now)
     latency = LatencyModel(verify_prior=(30.0, 0.0, 0.0, 0.0))
-    calibration.calibrate_local(latency, SteppedVerifier(clock), None, vocab_size=100, max_k=4, width=1)
+    calibrate(latency, SteppedVerifier(clock))
     ms = [latency.verify_ms(1, n) for n in range(20)]
     assert ms[0] == pytest.approx(20.0, abs=0.1) and ms[1] == pytest.approx(22.0, abs=0.1)
     assert ms[5] - ms[1] == pytest.approx(0.0, abs=0.1)  # 2-6 rows: one plateau
@@ -62,3 +73,30 @@ def test_warm_up_learns_where_the_verify_cost_steps(monkeypatch):
 def test_every_size_up_to_16_is_measured_and_larger_trees_spread():
     assert calibration.tree_sizes(4, 1, route_rows=0) == list(range(17))
     assert calibration.tree_sizes(16, 4, route_rows=3) == list(range(17)) + [32, 48, 64]
+
+
+def test_a_second_start_reuses_the_cached_calibration(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECSERVE_HOME", str(tmp_path))
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr(calibration.time, "perf_counter", lambda: clock.now)
+
+    def start(pair):
+        latency, verifier = LatencyModel(verify_prior=(30.0, 0.0, 0.0, 0.0)), SteppedVerifier(clock)
+        warm = asyncio.run(calibration.warm_up(latency, verifier, None, 100, pair, max_k=4, width=1))
+        return warm, latency, verifier.calls
+
+    first, measured, calls = start("t|ngram")
+    assert not first.cached and calls > 17
+    second, reused, calls = start("t|ngram")
+    assert second.cached and calls == 0  # nothing measured: the cached fit is loaded
+    assert [reused.verify_ms(1, n) for n in range(20)] == [measured.verify_ms(1, n) for n in range(20)]
+    assert reused.verify.samples == measured.verify.samples  # and it goes on learning from there
+    third, _, calls = start("t|model")  # another model pair measures for itself
+    assert not third.cached and calls > 17
+
+
+def test_the_cache_key_names_the_machine_and_the_code():
+    key = calibration_cache.cache_key("t|ngram", 3, 16, 1)
+    assert key["cpu"] == calibration_cache.cpu_model() and key["cores"] >= 1 and key["torch_threads"] >= 1
+    assert len(key["code"]) == 16 and key["route_rows"] == 3
+    assert calibration_cache.load({**key, "code": "another"}) is None

@@ -18,7 +18,8 @@ from services.draft.model_proposer import ModelProposer
 from services.draft.ngram import NgramProposer
 from services.draft.slim import SlimHead
 from services.draft.slim_guard import GuardConfig, SlimGuard
-from services.scheduler.engine import Engine, EngineConfig
+from services.scheduler.core import StepConfig
+from services.scheduler.engine import Engine
 from tests import tiny
 
 V = 8
@@ -71,7 +72,7 @@ def make_proposer(models, kind):
 def run_engine(models, proposer_kind, k, tree_size, params) -> np.ndarray:
     target = models["target"]
     proposer = make_proposer(models, proposer_kind)
-    engine = Engine(target, proposer, EngineConfig(draft_length=k, tree_size=tree_size, max_batch=1000))
+    engine = Engine(target, proposer, StepConfig(draft_length=k, tree_size=tree_size, max_batch=1000))
     return sample_joint(engine, params)
 
 
@@ -127,7 +128,7 @@ def test_first_three_tokens_match_the_exact_distribution(models, kind, k, tree_s
 def test_slim_proposals_stay_in_the_kept_ids(models):
     """With the slim head, every drafted token and every id of its q is a kept id."""
     proposer = make_proposer(models, "close-slim")
-    engine = Engine(models["target"], proposer, EngineConfig(draft_length=3, tree_size=6))
+    engine = Engine(models["target"], proposer, StepConfig(draft_length=3, tree_size=6))
     seen = []
     original = proposer.propose
     proposer.propose = lambda items: [seen.append(t) or t for t in original(items)]
@@ -140,7 +141,7 @@ def test_slim_proposals_stay_in_the_kept_ids(models):
 def test_the_guard_exercised_both_heads(models):
     params = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)
     proposer = make_proposer(models, "close-slim-guard")
-    engine = Engine(models["target"], proposer, EngineConfig(draft_length=2, max_batch=50))
+    engine = Engine(models["target"], proposer, StepConfig(draft_length=2, max_batch=50))
     for s in range(400):
         engine.add_request(PROMPT, SamplingParams(**{**params.__dict__, "seed": s}))
     while engine.has_work():
@@ -153,6 +154,6 @@ def test_same_seed_same_tokens(models):
     params = SamplingParams(max_tokens=12, temperature=1.0, seed=1234, ignore_eos=True)
     outs = []
     for _ in range(2):
-        engine = Engine(models["target"], ModelProposer(models["close"].model, V), EngineConfig(3, 6))
+        engine = Engine(models["target"], ModelProposer(models["close"].model, V), StepConfig(3, 6))
         outs.append(engine.generate([PROMPT], params)[0].output_ids)
     assert outs[0] == outs[1]

@@ -9,7 +9,8 @@ from services.draft.model_proposer import ModelProposer
 from services.draft.ngram import NgramProposer
 from services.draft.slim import SlimHead, kept_ids
 from services.draft.slim_guard import GuardConfig, SlimGuard
-from services.scheduler.engine import Engine, EngineConfig
+from services.scheduler.core import StepConfig
+from services.scheduler.engine import Engine
 from tests import tiny
 
 MAX_NEW = 40
@@ -73,7 +74,7 @@ def test_engine_equals_hf_greedy(models, prompts, kind, k, tree_size):
     target, draft, hf = models
     slim = slim_head(target, draft, hf, prompts) if kind.startswith("slim") else None
     engine = Engine(target, make_proposer(kind, target, draft, slim),
-                    EngineConfig(draft_length=k, tree_size=tree_size, max_batch=3))
+                    StepConfig(draft_length=k, tree_size=tree_size, max_batch=3))
     reqs = engine.generate(prompts, SamplingParams(max_tokens=MAX_NEW))  # 4 prompts, batches of 3
     for prompt, req in zip(prompts, reqs):
         ref = tiny.hf_greedy(hf, prompt, MAX_NEW)
@@ -81,8 +82,7 @@ def test_engine_equals_hf_greedy(models, prompts, kind, k, tree_size):
     if kind in ("self", "model", "slim", "slim-guard"):
         steps = sum(r.stats.steps for r in reqs)
         assert steps < sum(len(r.output_ids) for r in reqs), "speculation never accepted anything"
-    assert not engine.verifier.active_requests()
-    assert engine.proposer is None or not engine.proposer.active_requests()
+    assert not engine.held_requests()  # every worker freed every finished request
 
 
 @pytest.mark.parametrize("kind,k,tree_size", [("self", 8, None), ("self", 4, 10), ("ngram", 6, 12)])
@@ -91,8 +91,8 @@ def test_eos_in_the_middle_of_a_step(models, prompts, kind, k, tree_size):
     prompt = prompts[1]
     free = tiny.hf_greedy(hf, prompt, 20, eos=None)
     eos = free[5]  # make the 6th generated token the end of sequence
-    engine = Engine(target, make_proposer(kind, target, draft), EngineConfig(draft_length=k, tree_size=tree_size))
-    engine.eos_token_ids = (eos,)
+    engine = Engine(target, make_proposer(kind, target, draft), StepConfig(draft_length=k, tree_size=tree_size))
+    engine.core.target.eos_token_ids = (eos,)
     req = engine.generate([prompt], SamplingParams(max_tokens=20))[0]
     assert req.output_ids == free[: free.index(eos) + 1]
     assert req.finish_reason == "stop"
@@ -107,7 +107,7 @@ def test_stop_string_in_the_middle_of_a_step(models, prompts):
     tok = target.tokenizer
     stop = tok.decode(free[6:8])  # two words, e.g. "w12 w40"
     full = tok.decode(free)
-    engine = Engine(target, ModelProposer(target.model, target.config.vocab_size), EngineConfig(draft_length=8))
+    engine = Engine(target, ModelProposer(target.model, target.config.vocab_size), StepConfig(draft_length=8))
     req = engine.generate([prompt], SamplingParams(max_tokens=24, stop=(stop,)))[0]
     assert req.text == full[: full.index(stop)]
     assert stop not in req.text
@@ -129,7 +129,7 @@ def test_default_model_greedy_identity(default_model):
                       attention_mask=torch.ones(1, len(prompt), dtype=torch.long))[0, len(prompt):].tolist()
     for proposer, k, tree_size in [(NgramProposer(), 4, None), (NgramProposer(), 4, 10),
                                    (ModelProposer(default_model.model, 49152), 3, 6)]:
-        engine = Engine(default_model, proposer, EngineConfig(draft_length=k, tree_size=tree_size))
+        engine = Engine(default_model, proposer, StepConfig(draft_length=k, tree_size=tree_size))
         req = engine.generate([prompt], SamplingParams(max_tokens=32))[0]
         assert_same_or_near_tie(hf, prompt, req.output_ids, ref[: len(req.output_ids)] if req.finish_reason == "stop" else ref)
         assert req.stats.steps < len(req.output_ids)
@@ -138,7 +138,7 @@ def test_default_model_greedy_identity(default_model):
 def test_a_draft_with_a_shorter_context_stops_drafting(tmp_path, models):
     target, _, hf = models
     short = load_model(str(tiny.make_checkpoint(tmp_path / "short-draft", seed=3, max_positions=16)))
-    engine = Engine(target, ModelProposer(short.model, target.config.vocab_size), EngineConfig(draft_length=4))
+    engine = Engine(target, ModelProposer(short.model, target.config.vocab_size), StepConfig(draft_length=4))
     prompt = [5, 6, 7, 8, 9]
     req = engine.generate([prompt], SamplingParams(max_tokens=30))[0]
     assert_same_or_near_tie(hf, prompt, req.output_ids, tiny.hf_greedy(hf, prompt, 30))

@@ -1,53 +1,55 @@
-"""The scheduler's in-process n-gram draft replica (--draft-addrs local) answers step messages
-as a remote draft service would, keeps per-request state until released, and fails like a
-broken stream (WorkerDown, state dropped) on a step it cannot take."""
-
-import asyncio
+"""In-process workers (services/scheduler/workers.py: LocalWorkers) take the step as remote ones
+do: the first item carries every token and the parameters, later ones only the new tokens; a
+request's state stays until released; the scheduler's own n-gram draft (--draft-addrs local)
+survives a step it cannot take as a broken stream would (state dropped, resent from 0)."""
 
 import pytest
 
-from services.common import codec
+from services.common.sampling import SamplingParams
+from services.common.worker import StepWorker
 from services.draft.ngram import NgramProposer
-from services.scheduler.local_draft import LocalDraft
-from services.scheduler.workers import ReplicaSet, WorkerDown
-from specserve.v1 import common_pb2, draft_pb2
+from services.draft.proposer import ProposeWork
+from services.scheduler.engine import run_now
+from services.scheduler.workers import LocalWorkers, Work
+from specserve.v1 import common_pb2
 
-INFO = common_pb2.InfoResponse(model="tiny", vocab_size=100, max_positions=64, eos_token_ids=[2], role="verifier")
+INFO = common_pb2.InfoResponse(model="tiny", vocab_size=100, max_positions=64, eos_token_ids=[2], role="draft")
 TOKENS = [5, 6, 7, 8, 5, 6, 7, 9, 5, 6]
+P = SamplingParams(max_tokens=8)
 
 
-def item(rid: str, offset: int, tokens: list[int], k: int = 3, size: int = 3) -> draft_pb2.ProposeItem:
-    return draft_pb2.ProposeItem(request_id=rid, offset=offset, tokens=tokens, draft_length=k, tree_size=size,
-                                 params=common_pb2.SamplingParams(max_tokens=8))
+def local(proposer=None, contain_errors=True) -> LocalWorkers:
+    return LocalWorkers("draft", StepWorker(INFO, 0, ProposeWork(proposer or NgramProposer())),
+                        contain_errors=contain_errors)
 
 
 def test_proposes_the_ngram_tree_and_keeps_state_until_released():
-    local = LocalDraft(INFO)
-    assert asyncio.run(local.info()).proposer == "ngram"
-    res = asyncio.run(local.step(draft_pb2.ProposeStep(step_id=0, items=[item("a", 0, TOKENS, 3, 4)])))
+    drafts = local()
+    reply = run_now(drafts.step(0, [Work("a", TOKENS, P, 3, 4)]))
     want = NgramProposer().tree(TOKENS, 3, 4)
-    assert len(want) > 0 and codec.tree_from_pb(res.proposals[0].tree).tokens == want.tokens
-    # The next step sends only the new tokens, as over a stream.
-    res = asyncio.run(local.step(draft_pb2.ProposeStep(step_id=1, items=[item("a", len(TOKENS), [7])])))
-    assert codec.tree_from_pb(res.proposals[0].tree).tokens == NgramProposer().tree(TOKENS + [7], 3, 3).tokens
-    assert local.servicer.worker.ledger.ids() == ["a"]
-    asyncio.run(local.step(draft_pb2.ProposeStep(step_id=2, release=["a"])))
-    assert local.servicer.worker.ledger.ids() == []
+    assert len(want) > 0 and reply.results["a"].tokens == want.tokens and reply.fresh == {"a"}
+    reply = run_now(drafts.step(1, [Work("a", TOKENS + [7], P, 3, 3)]))  # only [7] is new
+    assert reply.results["a"].tokens == NgramProposer().tree(TOKENS + [7], 3, 3).tokens and not reply.fresh
+    assert drafts.sent == {"a": len(TOKENS) + 1} and drafts.worker.sequences.ids() == ["a"]
+    drafts.release("a")
+    assert drafts.worker.sequences.ids() == [] and drafts.sent == {}
 
 
-def test_a_bad_step_is_worker_down_and_drops_state():
-    local = LocalDraft(INFO)
-    asyncio.run(local.step(draft_pb2.ProposeStep(step_id=0, items=[item("a", 0, TOKENS)])))
-    local.sent["a"] = len(TOKENS)
-    with pytest.raises(WorkerDown):  # one request twice in a step
-        asyncio.run(local.step(draft_pb2.ProposeStep(step_id=1, items=[item("b", 0, TOKENS), item("b", 0, TOKENS)])))
-    assert local.servicer.worker.ledger.ids() == [] and local.sent == {}
-    res = asyncio.run(local.step(draft_pb2.ProposeStep(step_id=2, items=[item("a", 5, [1])])))
-    assert res.proposals[0].need_resync  # a stale offset asks the scheduler to resend from 0
+class Boom(NgramProposer):
+    def propose(self, items):
+        raise RuntimeError("boom")
 
 
-def test_replica_set_takes_it_in_place_of_addresses():
-    drafts = ReplicaSet("draft", [], replicas=[LocalDraft(INFO)])
-    assert drafts.assign("r").address == "local"
-    with pytest.raises(ValueError):
-        ReplicaSet("draft", [])
+def test_a_failed_step_costs_its_trees_and_the_state_when_contained():
+    drafts = local()
+    run_now(drafts.step(0, [Work("a", TOKENS, P, 3, 3)]))
+    drafts.worker.work.proposer = Boom()
+    reply = run_now(drafts.step(1, [Work("a", TOKENS + [7], P, 3, 3)]))
+    assert reply.results == {} and drafts.worker.sequences.ids() == [] and drafts.sent == {}
+    drafts.worker.work.proposer = NgramProposer()
+    assert run_now(drafts.step(2, [Work("a", TOKENS + [7], P, 3, 3)])).fresh == {"a"}  # resent from 0
+
+
+def test_the_engine_s_workers_raise_instead():
+    with pytest.raises(RuntimeError, match="boom"):
+        run_now(local(Boom(), contain_errors=False).step(0, [Work("a", TOKENS, P, 3, 3)]))

@@ -28,47 +28,43 @@ def test_a_worker_loads_its_model_on_its_model_thread(monkeypatch, role, extra):
 
 def test_steps_run_on_the_thread_the_model_was_loaded_on():
     from services.common.worker import StepWorker, model_thread, on_model_thread
+    from services.draft.ngram import NgramProposer
+    from services.draft.proposer import ProposeWork
     from specserve.v1 import common_pb2
 
     thread = model_thread("verifier")
     loaded_on = asyncio.run(on_model_thread(thread, lambda: threading.current_thread().ident))
     worker = StepWorker(common_pb2.InfoResponse(role="verifier", vocab_size=10, max_positions=8), 1,
-                        lambda rid: None, lambda: 0, executor=thread)
+                        ProposeWork(NgramProposer()), executor=thread)
     assert worker.executor.submit(lambda: threading.current_thread().ident).result() == loaded_on
     assert loaded_on != threading.main_thread().ident
 
 
-@pytest.mark.parametrize("inline", [True, False])
-def test_a_worker_without_a_model_steps_on_its_event_loop(inline):
+@pytest.mark.parametrize("runs_model", [False, True])
+def test_a_worker_without_a_model_steps_on_its_event_loop(runs_model):
     """The n-gram draft (no model) answers steps on the event loop: handing a 0.1 ms lookup to the
     model thread and back cost more than the lookup. A model worker steps on its model thread."""
+    from services.common import codec
+    from services.common.step_servicer import StepServicer
     from services.common.worker import StepWorker
+    from services.draft.ngram import NgramProposer
+    from services.draft.proposer import ProposeWork
     from specserve.v1 import common_pb2, draft_pb2
 
-    worker = StepWorker(common_pb2.InfoResponse(role="draft", vocab_size=10, max_positions=8), 0,
-                        lambda rid: None, lambda: 0, inline=inline)
+    proposer = NgramProposer()
+    proposer.runs_model = runs_model
+    servicer = StepServicer(StepWorker(common_pb2.InfoResponse(role="draft", vocab_size=10, max_positions=8), 0,
+                                       ProposeWork(proposer)), codec.DRAFT)
+    assert servicer.inline == (not runs_model)
+    servicer.step = lambda msg: threading.current_thread().ident
 
     async def steps():
         yield draft_pb2.ProposeStep(step_id=1)
 
     async def go():
         loop_thread = threading.current_thread().ident
-        ran_on = [r async for r in worker.serve_stream(steps(), None, lambda step: threading.current_thread().ident)]
+        ran_on = [r async for r in servicer.stream(steps(), None)]
         return loop_thread, ran_on
 
     loop_thread, ran_on = asyncio.run(go())
-    assert (ran_on == [loop_thread]) == inline
-
-
-def test_the_ngram_draft_service_steps_inline_and_a_model_draft_does_not():
-    from services.draft.ngram import NgramProposer
-    from services.draft.servicer import DraftServicer
-    from specserve.v1 import common_pb2
-
-    info = common_pb2.InfoResponse(role="draft", vocab_size=10, max_positions=8, proposer="ngram")
-    assert DraftServicer(NgramProposer(), info).worker.inline
-
-    class ModelDraft(NgramProposer):
-        runs_model = True
-
-    assert not DraftServicer(ModelDraft(), info).worker.inline
+    assert (ran_on == [loop_thread]) == (not runs_model)

@@ -6,8 +6,9 @@ import random
 
 import pytest
 
+from services.scheduler.acceptance import Acceptance
 from services.scheduler.latency import LatencyModel, LinearFit, RowCurve, StepShape
-from services.scheduler.policy import Acceptance, Candidate, evaluate, expected_tokens, plan
+from services.scheduler.policy import Candidate, evaluate, expected_tokens, plan
 
 
 def latency(verify=(30.0, 2.0, 2.0), draft=(2.0, 0.5, 0.5, 1.0), route_rows: int = 3) -> LatencyModel:

@@ -1,15 +1,16 @@
-"""Scheduler pieces that need no model: telemetry without Redis, replica assignment, the token
-ledger of the step protocol."""
+"""Scheduler pieces that need no model: the acceptance priors without Redis, replica assignment,
+a worker's sequences of the step protocol."""
 
 import asyncio
 
-from services.common.ledger import TokenLedger
-from services.scheduler.telemetry import StepRecord, Telemetry
-from services.scheduler.workers import ReplicaSet
+from services.common.sampling import SamplingParams
+from services.common.sequence import Sequences
+from services.scheduler.priors import Priors, StepRecord
+from services.scheduler.replicas import ReplicaSet
 
 
-def test_telemetry_without_redis_keeps_local_estimates():
-    t = Telemetry(None, "pair", local_decay=1.0)
+def test_priors_without_redis_keep_local_estimates():
+    t = Priors(None, "pair", local_decay=1.0)
     for _ in range(30):
         t.record(StepRecord("chat", depth=3, accepted=1, nodes=4, draft_ms=1.0, verify_ms=2.0))
     s = t.stats("chat")
@@ -20,9 +21,9 @@ def test_telemetry_without_redis_keeps_local_estimates():
     assert t.priors("code", 2) == [None, None]  # classes are kept apart
 
 
-def test_telemetry_survives_an_unreachable_redis():
+def test_priors_survive_an_unreachable_redis():
     async def scenario():
-        t = Telemetry("redis://127.0.0.1:1/0", "pair")  # nothing listens on port 1
+        t = Priors("redis://127.0.0.1:1/0", "pair")  # nothing listens on port 1
         t.record(StepRecord("default", depth=1, accepted=1, nodes=1, draft_ms=1.0, verify_ms=1.0))
         t.flush()
         await asyncio.wait_for(t._task, 5)
@@ -57,12 +58,15 @@ def test_requests_stick_to_a_replica_and_spread_across_replicas():
     asyncio.run(scenario())
 
 
-def test_token_ledger_offsets_and_resync():
-    led = TokenLedger()
-    assert led.update("r", 0, [1, 2, 3]) == [1, 2, 3]
-    assert led.update("r", 3, [4]) == [1, 2, 3, 4]
-    assert led.update("r", 2, [9]) == [1, 2, 9]  # a rebuilt request may rewrite the tail
-    assert led.update("r", 7, [5]) is None  # never saw tokens 3..6: resync
-    assert led.update("unknown", 4, [1]) is None
-    led.release("r")
-    assert "r" not in led
+def test_sequence_offsets_resync_and_parameters_sent_once():
+    seqs, greedy, sampled = Sequences(1), SamplingParams(max_tokens=8), SamplingParams(max_tokens=8, temperature=1.0)
+    seq = seqs.update("r", 0, [1, 2, 3], greedy)
+    assert seq.tokens == [1, 2, 3] and seq.params == greedy and seq.generator is None
+    assert seqs.update("r", 3, [4]) is seq and seq.tokens == [1, 2, 3, 4]  # later items: no params
+    assert seqs.update("r", 2, [9]).tokens == [1, 2, 9]  # a rebuilt request may rewrite the tail
+    assert seqs.update("r", 7, [5]) is None  # never saw tokens 3..6: resync
+    assert seqs.update("unknown", 4, [1]) is None
+    again = seqs.update("r", 0, [1, 2], sampled)  # resent from 0 with other parameters: a fresh stream
+    assert again.params == sampled and again.generator is not None
+    seqs.release("r")
+    assert "r" not in seqs

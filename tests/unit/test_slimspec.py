@@ -13,7 +13,8 @@ from services.draft.factory import build_proposer
 from services.draft.model_proposer import ModelProposer
 from services.draft.slim import COUNTS_NAME, SlimHead, counts_key, kept_ids, load_counts
 from services.draft.slim_guard import CALIBRATING, FALLBACK, SLIM, GuardConfig, SlimGuard
-from services.scheduler.engine import Engine, EngineConfig
+from services.scheduler.core import StepConfig
+from services.scheduler.engine import Engine
 
 # ---- kept ids ---------------------------------------------------------------------------------
 
@@ -167,13 +168,13 @@ def test_a_slim_head_that_misses_the_targets_tokens_is_replaced_by_the_full_head
     target, _ = tiny_models
     draft = target
     prompts = [[5, 6, 7, 8, 9], [10, 11, 12], [20, 21, 22, 23]]
-    plain = Engine(target, None, EngineConfig(draft_length=0)).generate(prompts, SamplingParams(max_tokens=40))
+    plain = Engine(target, None, StepConfig(draft_length=0)).generate(prompts, SamplingParams(max_tokens=40))
     produced = {t for r in plain for t in r.output_ids}
     wrong = torch.tensor([t for t in range(3, 64) if t not in produced][:10])
     guard = SlimGuard(GuardConfig(points=10.0, calibration_tokens=16, window_tokens=32, min_tokens=16))
     proposer = ModelProposer(draft.model, target.config.vocab_size, slim=SlimHead.build(draft.model, wrong),
                              guard=guard)
-    engine = Engine(target, proposer, EngineConfig(draft_length=4, max_batch=3))
+    engine = Engine(target, proposer, StepConfig(draft_length=4, max_batch=3))
     reqs = engine.generate(prompts, SamplingParams(max_tokens=40))
     assert [r.output_ids for r in reqs] == [r.output_ids for r in plain]
     state = proposer.slim_state()

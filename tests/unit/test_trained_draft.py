@@ -14,7 +14,8 @@ from services.common.vocab import check_same_vocabulary
 from services.draft.factory import DEFAULT_DRAFT_DIR, build_proposer
 from services.draft.model_proposer import ModelProposer
 from services.draft.slim import COUNTS_NAME
-from services.scheduler.engine import Engine, EngineConfig
+from services.scheduler.core import StepConfig
+from services.scheduler.engine import Engine
 
 PROMPT = "Explain how a refrigerator keeps food cold, in a short paragraph."
 MAX_NEW = 48
@@ -41,7 +42,7 @@ def prompt_ids(default_model):
 
 @pytest.fixture(scope="module")
 def plain(default_model, prompt_ids):
-    return Engine(default_model, None, EngineConfig(draft_length=0)).generate(
+    return Engine(default_model, None, StepConfig(draft_length=0)).generate(
         [prompt_ids], SamplingParams(max_tokens=MAX_NEW))[0].output_ids
 
 
@@ -61,7 +62,7 @@ def test_it_loads_and_shares_the_targets_vocabulary(default_model, draft):
 
 
 def _acceptance(target, model, prompt_ids, plain):
-    engine = Engine(target, ModelProposer(model, target.config.vocab_size), EngineConfig(draft_length=4))
+    engine = Engine(target, ModelProposer(model, target.config.vocab_size), StepConfig(draft_length=4))
     req = engine.generate([prompt_ids], SamplingParams(max_tokens=MAX_NEW))[0]
     assert req.output_ids == plain  # lossless whatever the draft
     return req.stats.accepted / req.stats.drafted
@@ -83,7 +84,7 @@ def test_default_draft_with_slimspec_keeps_the_output(default_model, prompt_ids,
     finally:
         os.environ["SPECSERVE_HOME"] = old
     assert proposer.slim.kept.numel() == round(0.2 * 49152)
-    engine = Engine(default_model, proposer, EngineConfig(draft_length=4))
+    engine = Engine(default_model, proposer, StepConfig(draft_length=4))
     req = engine.generate([prompt_ids], SamplingParams(max_tokens=MAX_NEW))[0]
     assert req.output_ids == plain
     assert req.stats.accepted > 0

@@ -8,8 +8,9 @@ import random
 import pytest
 
 from services.common.tree import DraftTree
+from services.scheduler.acceptance import NodeCalibration
 from services.scheduler.latency import LatencyModel
-from services.scheduler.trim import NodeCalibration, node_confidence, node_values, subtree, trim
+from services.scheduler.trim import node_confidence, node_values, subtree, trim
 
 
 def chain(tokens: list[int], confs: list[float]) -> DraftTree:
@@ -125,7 +126,7 @@ def test_min_depth_keeps_the_first_chain_whatever_it_costs():
 
 
 def test_a_request_that_fails_the_calibration_is_trimmed_harder():
-    from services.scheduler.trim import RequestScale
+    from services.scheduler.acceptance import RequestScale
 
     calib, scale = NodeCalibration(), RequestScale()
     t = chain([1, 2], [0.75, 0.75])

@@ -1,0 +1,281 @@
+"""The step: one round of speculation for every running request, written once for the
+in-process engine (services/scheduler/engine.py) and the scheduler service (loop.py).
+
+    admit -> plan k -> propose -> trim -> verify -> commit -> observe -> emit
+
+Requests join and leave between steps (continuous batching): the head of the queue starts when a
+batch slot is free and its KV reservation fits (admission.py). Each request's draft length comes
+from its own fixed k or, adaptive, from the controller (controller.py: the latency model and
+acceptance estimates), capped by what it may still emit and by the draft's context. The draft and
+the verifier sit behind one interface (workers.py), in this process or over gRPC (replicas.py);
+metrics, spans and the Redis priors watch the step through observers (observers.py). The step
+returns what it committed; its driver emits it (the engine returns it, the service streams it).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from services.common.sampling import SamplingParams
+from services.common.tree import MAX_TREE_NODES, DraftTree
+from services.scheduler.admission import DEFAULT_KV_BUDGET_TOKENS, DEFAULT_MAX_WAITING, Admission, reservation
+from services.scheduler.calibration import WarmUp, warm_up
+from services.scheduler.controller import ControllerConfig, DraftController
+from services.scheduler.latency import StepShape
+from services.scheduler.observers import Outcome, PriorsObserver, StepObserver, StepReport
+from services.scheduler.policy import DEFAULT_MAX_DRAFT_LENGTH
+from services.scheduler.priors import Priors
+from services.scheduler.request import Request
+from services.scheduler.workers import Reply, Work, Workers
+
+
+@dataclass
+class StepConfig:
+    # k, the draft tree depth per step (0 = plain decoding), or "adaptive": the controller picks
+    # each request's k in [min_draft_length, max_draft_length] every step.
+    draft_length: int | str = 4
+    tree_size: int | None = None  # draft nodes per step; None = draft_length (a chain)
+    max_batch: int = 16  # running requests per step
+    min_draft_length: int = 0
+    max_draft_length: int = DEFAULT_MAX_DRAFT_LENGTH
+    adjust_interval_ms: float = 0.0
+    rejection_alert: float = 0.85
+    kv_budget_tokens: int = DEFAULT_KV_BUDGET_TOKENS
+    max_waiting: int = DEFAULT_MAX_WAITING
+
+    @property
+    def adaptive(self) -> bool:
+        return self.draft_length == "adaptive"
+
+    @property
+    def tree_width(self) -> int:
+        """Adaptive: draft nodes per level of a tree (1 = chains)."""
+        return -(-self.tree_size // self.max_draft_length) if self.tree_size else 1
+
+    def validate(self) -> None:
+        if not self.adaptive and (isinstance(self.draft_length, bool) or not isinstance(self.draft_length, int)):
+            raise ValueError(f"draft_length must be an integer or 'adaptive', got {self.draft_length!r}")
+        if not self.adaptive and self.draft_length < 0:
+            raise ValueError(f"draft_length must be >= 0, got {self.draft_length}")
+        if self.tree_size is not None and not 0 <= self.tree_size <= MAX_TREE_NODES:
+            raise ValueError(f"tree_size must be in [0, {MAX_TREE_NODES}], got {self.tree_size}")
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+
+
+@dataclass
+class Target:
+    """What the step must know of the target and its tokenizer."""
+
+    tokenizer: object
+    eos_token_ids: tuple[int, ...]
+    max_positions: int
+    vocab_size: int
+    route_rows: int = 0  # the verifier's matmul route step (latency.py)
+
+
+class StepCore:
+    def __init__(self, config: StepConfig, target: Target, verifiers: Workers, drafts: Workers | None,
+                 priors: Priors | None = None, observers: list[StepObserver] | None = None):
+        config.validate()
+        self.config, self.target = config, target
+        self.verifiers, self.drafts = verifiers, drafts
+        self.priors = priors or Priors(None, "in-process")  # shared by this core's requests at least
+        self.observers = [PriorsObserver(self.priors), *(observers or [])]
+        self.controller: DraftController | None = None
+        if config.adaptive and drafts is not None:
+            cc = ControllerConfig(config.min_draft_length, config.max_draft_length, config.tree_width,
+                                  config.adjust_interval_ms, rejection_alert=config.rejection_alert,
+                                  route_rows=target.route_rows)
+            self.controller = DraftController(cc, priors=lambda cls: self.priors.priors(cls, cc.max_draft_length))
+        self.admission = Admission(config.kv_budget_tokens, config.max_waiting, config.max_batch)
+        self.waiting: deque[Request] = deque()  # mirrors the admission queue
+        self.running: list[Request] = []
+        self.by_id: dict[str, Request] = {}
+        self.steps = 0
+        self.max_batch_seen = 0
+
+    # -- requests -------------------------------------------------------------------------------
+    def submit(self, req_id: str, prompt_ids: list[int], params: SamplingParams, draft_length: int | None = None,
+               tree_size: int | None = None, request_class: str = "default") -> Request:
+        """Queue a request; ValueError for bad input (also one too large for the KV budget),
+        admission.Overloaded when the queue is full."""
+        if req_id in self.by_id:
+            raise ValueError(f"request id {req_id!r} is already running")
+        self._check(prompt_ids, params, draft_length, tree_size)
+        cfg = self.config
+        fixed = draft_length if draft_length is not None else (None if self.controller else cfg.draft_length)
+        if self.drafts is None:
+            fixed = 0
+        most = cfg.max_draft_length if fixed is None else fixed
+        tree = tree_size if tree_size is not None else (cfg.tree_size if cfg.tree_size is not None else most)
+        req = Request(req_id, prompt_ids, params, self.target.tokenizer, self.target.eos_token_ids,
+                      draft_length=most, tree_size=tree, fixed_k=fixed, request_class=request_class or "default")
+        # The largest tree a step may give it: as asked, or what the controller may choose.
+        max_tree = req.tree_size if fixed is not None else most * cfg.tree_width
+        self.admission.enqueue(req_id, reservation(len(prompt_ids), params.max_tokens, min(max_tree, MAX_TREE_NODES)),
+                               params.max_tokens)
+        if fixed is None:
+            self.controller.add(req_id, req.request_class, greedy=params.greedy)
+        self.by_id[req_id] = req
+        self.waiting.append(req)
+        return req
+
+    def _check(self, prompt_ids: list[int], params: SamplingParams, draft_length: int | None,
+               tree_size: int | None) -> None:
+        params.validate()
+        vocab = self.target.vocab_size
+        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None) if vocab else None
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        for name, value in (("draft_length", draft_length), ("tree_size", tree_size)):
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.target.max_positions:
+            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                             f"exceeds the context of {self.target.max_positions} tokens")
+
+    def cancel(self, req_id: str) -> Request | None:
+        req = self.by_id.get(req_id)
+        if req is not None and not req.finished:
+            req.finish_reason = "cancelled"
+            self.retire(req)
+        return req
+
+    def fail(self, req: Request, message: str, unavailable: bool = False) -> None:
+        req.finish_reason, req.error, req.unavailable = "error", message, unavailable
+        self.retire(req)
+
+    def retire(self, req: Request) -> None:
+        """Forget a finished request everywhere; remote workers free it with their next message."""
+        rid = req.req_id
+        self.by_id.pop(rid, None)
+        self.admission.release(rid)
+        if self.controller is not None:
+            self.controller.remove(rid)
+        for group in (self.waiting, self.running):
+            if req in group:
+                group.remove(req)
+        for workers in (self.verifiers, self.drafts):
+            if workers is not None:
+                workers.release(rid)
+
+    async def warm_up(self, pair: str) -> WarmUp | None:
+        """Calibrate the latency model before serving (None: nothing to calibrate, no controller)."""
+        if self.controller is None:
+            return None
+        cc = self.controller.config
+        return await warm_up(self.controller.latency, self.verifiers, self.drafts, self.target.vocab_size, pair,
+                             cc.max_draft_length, cc.tree_width)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- the step -------------------------------------------------------------------------------
+    async def step(self) -> list[tuple[Request, list[int]]]:
+        """One step for every running request: (request, tokens committed) for each that
+        committed or failed (a failed one with no tokens and its `error`)."""
+        batch = self._admit()
+        if not batch:
+            return []
+        t0 = time.perf_counter()
+        budgets, decisions = self._plan(batch)
+        trees, drafted, fresh = await self._propose(batch, budgets)
+        proposed = (sum(len(t) for t in trees.values()), max((max(t.depths(), default=0) for t in trees.values()),
+                                                             default=0))
+        confs = self._trim(batch, trees, time.perf_counter() - t0)
+        t1 = time.perf_counter()
+        # A request cancelled while the draft worked is not verified: its release is on its way.
+        verified = await self.verifiers.step(self.steps, [Work(r.req_id, r.tokens, r.params, tree=trees.get(r.req_id))
+                                                          for r in batch if not r.finished])
+        t2 = time.perf_counter()
+        report = StepReport(self.steps, len(batch), t0, t1, t2, decisions=decisions)
+        self.steps += 1
+        self.admission.record_step(t2 - t0)
+        out = self._commit(batch, budgets, trees, confs, verified, report)
+        if self.controller is not None and report.outcomes:
+            shape = StepShape(len(batch), drafted, proposed[0], proposed[1],
+                              verified=sum(len(t) for t in trees.values()))
+            self.controller.observe(shape, report.draft_ms, report.verify_ms,
+                                    {o.req.req_id: (o.depth, o.accepted, o.output) for o in report.outcomes},
+                                    prefill=bool(verified.fresh or fresh))
+        for observer in self.observers:
+            observer.on_step(report)
+        return out
+
+    def _admit(self) -> list[Request]:
+        """First come, first served, within max_batch and the KV budget."""
+        while self.waiting and self.admission.admit(self.waiting[0].req_id):
+            self.running.append(self.waiting.popleft())
+        self.max_batch_seen = max(self.max_batch_seen, len(self.running))
+        return list(self.running)
+
+    def _plan(self, batch: list[Request]) -> tuple[dict[str, tuple[int, int]], list[tuple[int, int]]]:
+        """(draft length, tree budget) per request: fixed ones as asked, the rest from the
+        controller; and the controller's choices, for metrics."""
+        out, caps = {}, {}
+        for r in batch:
+            k = r.draft_length if r.fixed_k is None else r.fixed_k
+            room = self.drafts.max_positions if self.drafts is not None else None
+            if room is not None:  # a draft with a shorter context than the target stops drafting
+                k = min(k, room - len(r.tokens))
+            if r.fixed_k is None:
+                caps[r.req_id] = r.draft_budget(k)[0]
+            else:
+                out[r.req_id] = r.draft_budget(k)
+        decisions = []
+        if caps:
+            for rid, d in self.controller.choose(caps).items():
+                out[rid] = (d.k, min(d.tree_size, MAX_TREE_NODES))
+                decisions.append(out[rid])
+        return out, decisions
+
+    async def _propose(self, batch: list[Request], budgets: dict[str, tuple[int, int]]
+                       ) -> tuple[dict[str, DraftTree], int, set[str]]:
+        """The trees of the requests that draft this step, how many the draft was sent, and
+        which of them it received from their first token (a prefill)."""
+        works = [Work(r.req_id, r.tokens, r.params, *budgets[r.req_id]) for r in batch if budgets[r.req_id][0] > 0]
+        if not works:
+            return {}, 0, set()
+        reply = await self.drafts.step(self.steps, works)
+        return dict(reply.results), len(works) - len(reply.unplaced), reply.fresh
+
+    def _trim(self, batch: list[Request], trees: dict[str, DraftTree], spent_s: float) -> dict[str, list[float]]:
+        """Cut the adaptive requests' trees to the nodes worth verifying (in place); their
+        nodes' confidences, to learn from once verified."""
+        reqs = [r for r in batch if len(trees.get(r.req_id, ()))]
+        if self.controller is None or not any(r.fixed_k is None for r in reqs):
+            return {}
+        rids = [r.req_id for r in reqs]
+        kept, confs = self.controller.trim(rids, [trees[rid] for rid in rids], [r.params.greedy for r in reqs],
+                                           spent_s * 1e3, len(batch), [r.fixed_k is None for r in reqs])
+        trees.update(zip(rids, kept))
+        return {rid: conf for rid, conf in zip(rids, confs) if conf is not None}
+
+    def _commit(self, batch: list[Request], budgets: dict[str, tuple[int, int]], trees: dict[str, DraftTree],
+                confs: dict[str, list[float]], verified: Reply, report: StepReport) -> list[tuple[Request, list[int]]]:
+        """Commit every verdict; fail the requests no verifier could take. A request with no
+        verdict (its replica failed or needs a resync) commits nothing this step."""
+        out = []
+        for rid in verified.unplaced:
+            req = self.by_id.get(rid)
+            if req is not None:
+                self.fail(req, "no verifier replica is available", unavailable=True)
+                out.append((req, []))
+        for req in batch:
+            verdict = verified.results.get(req.req_id)
+            if verdict is None or req.finished:
+                continue
+            tree = trees.get(req.req_id) or DraftTree()
+            if req.req_id in confs:
+                self.controller.observe_nodes(req.req_id, tree, confs[req.req_id], list(verdict.accepted_nodes))
+            committed = req.commit(list(verdict.tokens), len(tree), len(verdict.accepted_nodes))
+            report.outcomes.append(Outcome(req, budgets[req.req_id][0], tree, len(verdict.accepted_nodes),
+                                           len(verdict.tokens), committed))
+            out.append((req, committed))
+            if req.finished:
+                self.retire(req)
+        return out

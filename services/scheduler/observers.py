@@ -1,0 +1,98 @@
+"""What watches the step without steering it: Redis priors, Prometheus metrics, trace spans.
+
+The step (services/scheduler/core.py) hands every observer one `StepReport` per step; each
+observer turns it into its own records, so the step names none of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.common.metrics import SchedulerMetrics
+from services.common.tracing import RequestSpans
+from services.common.tree import DraftTree
+from services.scheduler.priors import Priors, StepRecord
+from services.scheduler.request import Request
+
+
+@dataclass
+class Outcome:
+    """One request's part of a step that was verified."""
+
+    req: Request
+    draft_length: int  # the k it was given
+    tree: DraftTree  # the tree verified (after trimming)
+    accepted: int  # draft tokens accepted
+    output: int  # output tokens the verifier gave (accepted + recovered or bonus)
+    committed: list[int]  # those committed (fewer when the request stopped within them)
+
+    @property
+    def depth(self) -> int:
+        return max(self.tree.depths(), default=0)
+
+
+@dataclass
+class StepReport:
+    step_id: int
+    batch: int  # requests running
+    started: float  # perf_counter at the start, once drafted (trimmed), once verified
+    drafted: float
+    verified: float
+    outcomes: list[Outcome] = field(default_factory=list)
+    decisions: list[tuple[int, int]] = field(default_factory=list)  # adaptive (k, tree budget) chosen
+
+    @property
+    def draft_ms(self) -> float:
+        return (self.drafted - self.started) * 1e3
+
+    @property
+    def verify_ms(self) -> float:
+        return (self.verified - self.drafted) * 1e3
+
+
+class StepObserver:
+    def on_step(self, report: StepReport) -> None:
+        raise NotImplementedError
+
+
+class PriorsObserver(StepObserver):
+    """Each drafted request's depth outcomes into its class's shared priors."""
+
+    def __init__(self, priors: Priors):
+        self.priors = priors
+
+    def on_step(self, report: StepReport) -> None:
+        for o in report.outcomes:
+            if len(o.tree):
+                self.priors.record(StepRecord(o.req.request_class, o.depth, o.accepted, len(o.tree),
+                                              report.draft_ms, report.verify_ms))
+        self.priors.flush()
+
+
+class MetricsObserver(StepObserver):
+    def __init__(self, metrics: SchedulerMetrics):
+        self.metrics = metrics
+
+    def on_step(self, report: StepReport) -> None:
+        self.metrics.record_phases(report.draft_ms / 1e3, report.verify_ms / 1e3)
+        for k, tree_size in report.decisions:
+            self.metrics.record_choice(k, tree_size)
+        for o in report.outcomes:
+            self.metrics.record_step(len(o.tree), o.accepted)
+
+
+class SpansObserver(StepObserver):
+    """A step span under each traced request's scheduler span."""
+
+    def __init__(self, spans: RequestSpans):
+        self.spans = spans
+
+    def on_step(self, report: StepReport) -> None:
+        for o in report.outcomes:
+            rid = o.req.req_id
+            if rid in self.spans.spans:
+                self.spans.step(rid, "scheduler.step", report.started, report.verified, {
+                    "specserve.step_id": report.step_id, "specserve.batch_size": report.batch,
+                    "specserve.draft_length": o.draft_length, "specserve.tree_size": len(o.tree),
+                    "specserve.accepted_tokens": o.accepted, "specserve.output_tokens": len(o.committed),
+                    "specserve.draft_ms": report.draft_ms, "specserve.verify_ms": report.verify_ms})

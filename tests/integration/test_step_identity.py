@@ -1,0 +1,73 @@
+"""One step, two drivers: the scheduler service (real processes over gRPC) and the in-process
+engine give the same tokens for every configuration: plain decoding, chains and trees, the model
+draft and the n-gram (the scheduler's own), adaptive, and sampling with a seed at a fixed k."""
+
+import asyncio
+
+import pytest
+
+from services.common.loading import load_model
+from services.common.sampling import SamplingParams
+from services.draft.model_proposer import ModelProposer
+from services.draft.ngram import NgramProposer
+from services.scheduler.core import StepConfig
+from services.scheduler.engine import Engine
+from tests.integration.stack import Stack, stack_env
+from tests.integration.test_services import generate
+
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5], [20, 21, 22, 20, 21], [9, 10, 11]]
+GREEDY = dict(max_tokens=20)
+SAMPLED = dict(max_tokens=16, temperature=0.9, top_p=0.9, seed=7)
+
+# (scheduler, draft, k or "adaptive", tree size, sampling): k and tree size go with each request
+# to the fixed schedulers; the adaptive ones choose (greedy only: a seed's tokens depend on k).
+CONFIGS = {
+    "plain": ("model", "model", 0, None, GREEDY),
+    "model-chain": ("model", "model", 2, 2, GREEDY),
+    "model-tree": ("model", "model", 3, 5, GREEDY),
+    "model-tree-sampled": ("model", "model", 3, 5, SAMPLED),
+    "model-chain-sampled": ("model", "model", 2, 2, dict(max_tokens=16, temperature=1.2, top_k=10, seed=3)),
+    "model-adaptive": ("model-adaptive", "model", "adaptive", None, GREEDY),
+    "ngram-chain": ("ngram", "ngram", 3, 3, GREEDY),
+    "ngram-tree": ("ngram", "ngram", 4, 8, GREEDY),
+    "ngram-sampled": ("ngram", "ngram", 3, 3, SAMPLED),
+    "ngram-adaptive": ("ngram", "ngram", "adaptive", None, GREEDY),
+}
+
+
+@pytest.fixture(scope="module")
+def schedulers(tmp_path_factory, home, stack):
+    """The stack's scheduler (model draft service, fixed k), one adaptive over the same draft
+    service, and one adaptive drafting by n-gram in its own process."""
+    st = Stack(tmp_path_factory.mktemp("identity"), stack_env(home))
+    common = ["--target", str(stack.target), "--verifier-addrs", stack.verifier_addr]
+    try:
+        adaptive = st.start("scheduler", *common, "--draft-addrs", stack.draft_addr, "--draft-length", "adaptive")
+        ngram = st.start("scheduler", *common, "--draft-addrs", "local", "--draft-length", "adaptive")
+        st.wait_healthy(adaptive)
+        st.wait_healthy(ngram)
+        yield {"model": stack.scheduler_addr, "model-adaptive": adaptive.addr, "ngram": ngram.addr}
+    finally:
+        st.stop_all()
+
+
+@pytest.fixture(scope="module")
+def draft_model(stack):
+    return load_model(str(stack.draft)).model
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_services_and_engine_give_the_same_tokens(stack, schedulers, draft_model, name):
+    scheduler, draft, k, tree_size, params = CONFIGS[name]
+    target = stack.engine.target
+    proposer = ModelProposer(draft_model, target.config.vocab_size) if draft == "model" else NgramProposer()
+    engine = Engine(target, proposer if k != 0 else None, StepConfig(draft_length=k, tree_size=tree_size))
+    fixed = {} if k == "adaptive" else {"draft_length": k, **({"tree_size": tree_size} if tree_size else {})}
+    drafted = 0
+    for i, prompt in enumerate(PROMPTS):
+        got = asyncio.run(generate(schedulers[scheduler], f"{name}-{i}", prompt, fixed=fixed, **params))
+        want = engine.generate([prompt], SamplingParams(**params))[0]
+        assert got["token_ids"] == want.output_ids, (name, i)
+        assert got["usage"].steps == want.stats.steps or k == "adaptive"  # adaptive: k follows time
+        drafted += got["usage"].drafted_tokens
+    assert (drafted > 0) == (k != 0)  # every speculative configuration did draft
