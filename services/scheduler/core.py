@@ -202,6 +202,9 @@ class StepCore:
             self.controller.observe(shape, report.draft_ms, report.verify_ms,
                                     {o.req.req_id: (o.depth, o.accepted, o.output) for o in report.outcomes},
                                     prefill=bool(verified.fresh or fresh))
+        for o in report.outcomes:  # after the controller learnt from their last step
+            if o.req.finished:
+                self.retire(o.req)
         for observer in self.observers:
             observer.on_step(report)
         return out
@@ -257,8 +260,9 @@ class StepCore:
 
     def _commit(self, batch: list[Request], budgets: dict[str, tuple[int, int]], trees: dict[str, DraftTree],
                 confs: dict[str, list[float]], verified: Reply, report: StepReport) -> list[tuple[Request, list[int]]]:
-        """Commit every verdict; fail the requests no verifier could take. A request with no
-        verdict (its replica failed or needs a resync) commits nothing this step."""
+        """Commit every verdict (the step retires the requests that finished); fail the requests
+        no verifier could take. A request with no verdict (its replica failed or needs a resync)
+        commits nothing this step."""
         out = []
         for rid in verified.unplaced:
             req = self.by_id.get(rid)
@@ -276,6 +280,4 @@ class StepCore:
             report.outcomes.append(Outcome(req, budgets[req.req_id][0], tree, len(verdict.accepted_nodes),
                                            len(verdict.tokens), committed))
             out.append((req, committed))
-            if req.finished:
-                self.retire(req)
         return out

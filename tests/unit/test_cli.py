@@ -34,6 +34,20 @@ def test_generate_json_greedy_is_the_same_for_every_draft(tmp_path, home, tiny_t
     assert all(o["mean_accepted_length"] >= 1.0 for o in lines)
 
 
+def test_the_latency_warm_up_runs_at_load_and_is_cached_for_the_next_start(tmp_path, tiny_target):
+    """Adaptive (the default) calibrates when the engine loads, never inside a request: load_s
+    is reported apart from elapsed_s, and the next start reuses the cached calibration."""
+    home = tmp_path / "home"
+    runs = [run_cli("generate", "--target", str(tiny_target), "--prompt", "w5 w6 w7 w5 w6", "--max-tokens", "8",
+                    "--json", home=home) for _ in range(2)]
+    assert all(r.returncode == 0 for r in runs), runs[0].stderr
+    first, second = (json.loads(r.stdout) for r in runs)
+    assert first["load_s"] > 0 and second["load_s"] > 0 and "elapsed_s" in first
+    assert "latency warm-up" in runs[0].stderr and "(cached)" not in runs[0].stderr
+    assert "(cached)" in runs[1].stderr
+    assert list((home / "calibration").glob("*.json"))
+
+
 def test_sampling_with_seed_is_reproducible(home, tiny_target, tiny_draft):
     # A fixed draft length: with adaptive, k follows measured latency, and which exact sample a
     # seed gives depends on k (the distribution does not).
