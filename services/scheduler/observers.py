@@ -6,6 +6,7 @@ observer turns it into its own records, so the step names none of them.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 from services.common.metrics import SchedulerMetrics
@@ -50,9 +51,10 @@ class StepReport:
         return (self.verified - self.drafted) * 1e3
 
 
-class StepObserver:
+class StepObserver(ABC):
+    @abstractmethod
     def on_step(self, report: StepReport) -> None:
-        raise NotImplementedError
+        """Called once per step, after its requests are committed."""
 
 
 class PriorsObserver(StepObserver):
