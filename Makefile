@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 #   make setup TORCH_SPEC='torch==2.13.0 --index-url https://.../cu128'
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup deps protos model draft run test bench bench-spec bench-load gpu-check clean
+.PHONY: setup deps protos model draft head run test bench bench-spec bench-load gpu-check clean
 
 setup: deps protos model
 
@@ -32,6 +32,13 @@ model: deps
 # generated prompts, a 2-layer draft is distilled on its distributions (about 45 min on 2 cores).
 draft: deps model
 	$(BIN)/python scripts/train_draft.py --out models/draft
+
+# Rebuild the feature-level draft head (models/head) from the default target: the target answers
+# generated prompts 32 wide recording three layers' states, then the head trains on them with
+# training-time test. Resumable: the teacher shards and the training state live in .head-work/.
+HEAD_ARGS ?=
+head: deps model
+	$(BIN)/python scripts/train_head.py --out models/head $(HEAD_ARGS)
 
 # Redis (unless REDIS_URL is set) and the four services on localhost; Ctrl-C stops them all.
 run: setup

@@ -136,9 +136,16 @@ class LlamaModel:
             attn[off : off + n] = o.reshape(n, c.num_heads, d)
         return attn
 
-    @torch.inference_mode()
     def forward(self, chunks: list[Chunk]) -> list[torch.Tensor]:
         """Run the new tokens of every chunk; returns per chunk logits [rows, vocab] (float32)."""
+        return self.forward_states(chunks, ())[0]
+
+    @torch.inference_mode()
+    def forward_states(self, chunks: list[Chunk], layers: tuple[int, ...]
+                       ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """forward, also returning per chunk the residual stream after each decoder layer in
+        `layers` for every new token: [len(tokens), len(layers) * hidden] (the model's dtype;
+        a feature-level draft head reads them). No layers: empty states."""
         c = self.config
         group = c.num_heads // c.num_kv_heads
         tokens, positions, plans, logit_rows = [], [], [], []
@@ -174,6 +181,7 @@ class LlamaModel:
         if self.tree_attention is not None and all(p[4] for p in plans):
             kernel_parents = torch.tensor([p for ch in chunks for p in ch.parents],
                                           dtype=torch.int32, device=self.device)
+        captured = []  # [N, hidden] per layer of `layers`, in layer order
         for li, L in enumerate(self.layers):
             h = F.rms_norm(x, (c.hidden_size,), L["ln1"], c.rms_norm_eps)
             qkv = self.matmul(h, L["wqkv"], L["bqkv"])  # [N, hq + 2 hk]
@@ -190,9 +198,15 @@ class LlamaModel:
             h = F.rms_norm(x, (c.hidden_size,), L["ln2"], c.rms_norm_eps)
             gate, up = self.matmul(h, L["wgu"]).chunk(2, dim=-1)
             x = x + self.matmul(F.silu(gate) * up, L["wd"])
+            if li in layers:
+                captured.append(x)
         for ch, (_, n, start, _, _) in zip(chunks, plans):
             ch.cache.length = start + n
         rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
         h = F.rms_norm(x[rows], (c.hidden_size,), self.norm, c.rms_norm_eps)
         logits = self.matmul(h, self.lm_head).float()  # [rows, vocab]
-        return list(logits.split([len(ch.tokens) - ch.logits_from for ch in chunks]))
+        logits = list(logits.split([len(ch.tokens) - ch.logits_from for ch in chunks]))
+        if not layers:
+            return logits, []
+        states = torch.cat(captured, dim=-1)  # [N, len(layers) * hidden]
+        return logits, list(states.split([len(ch.tokens) for ch in chunks]))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 
 class VocabularyMismatch(ValueError):
     pass
@@ -17,3 +19,18 @@ def check_same_vocabulary(target_tokenizer, draft_tokenizer, target_name: str = 
             raise VocabularyMismatch(
                 f"draft {draft_name!r} and target {target_name!r} do not share a vocabulary: "
                 f"token id {i} is {t.get(i)!r} in the target and {d.get(i)!r} in the draft")
+
+
+def vocabulary_digest(tokenizer) -> str:
+    """sha256 of the (id, token) pairs in id order: what a draft that keeps no tokenizer of its
+    own (a feature head) records of its target's."""
+    h = hashlib.sha256()
+    for token, i in sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1]):
+        h.update(f"{i}\t{token}\n".encode())
+    return h.hexdigest()
+
+
+def check_vocabulary_digest(target_tokenizer, digest: str, target_name: str, draft_name: str) -> None:
+    if vocabulary_digest(target_tokenizer) != digest:
+        raise VocabularyMismatch(f"draft {draft_name!r} was trained for another vocabulary than target "
+                                 f"{target_name!r}'s (tokenizer digests differ)")

@@ -1,0 +1,183 @@
+"""The feature-level draft head (EAGLE-3 style): one decoder layer reading the target's states.
+
+For a committed position t the head takes the target's residual stream after three layers (a
+low, a middle and a high one), each RMS-normalized and fused by a linear layer into one state
+g_t [hidden], and the embedding of the next token x_{t+1} (the target's own, frozen). Both are
+normalized and projected into the input of one Llama decoder layer; its output o_t, through a
+final norm and an LM head over a reduced vocabulary (SlimSpec: the ids the target generates
+most, with a draft-to-target id map), predicts x_{t+2}. Deeper draft positions feed the head's
+own output o in place of g, so draft position t+1 reads (o_t, x_{t+2}) and predicts x_{t+3}.
+
+Training (services/draft/training/head_trainer.py) unrolls that feedback for a few steps
+(training-time test); serving (services/draft/head_proposer.py) runs the same layer over a
+per-request KV cache of one layer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+CONFIG_NAME = "head_config.json"
+WEIGHTS_NAME = "head.safetensors"
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    max_positions: int
+    target_layers: tuple[int, ...]  # the target layers whose output states the head reads
+    draft_vocab: int  # ids the head scores (its d2t map has this many entries)
+    target_vocab: int
+    inv_freq: tuple[float, ...]  # the target's RoPE frequencies [head_dim / 2]
+    rope_scaling: float  # factor on cos and sin (1.0 for plain RoPE)
+    target: str = ""  # the target checkpoint's name (a label; the vocabulary check decides)
+    vocabulary_digest: str = ""  # services/common/vocab.vocabulary_digest of the target's tokenizer
+
+    @classmethod
+    def for_target(cls, config, layers: tuple[int, ...], draft_vocab: int, target: str = "",
+                   digest: str = "") -> "HeadConfig":
+        """The head's shapes follow the target's (services/common/model_config.ModelConfig)."""
+        return cls(config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
+                   config.intermediate_size, config.rms_norm_eps, config.max_positions, tuple(layers),
+                   draft_vocab, config.vocab_size, tuple(config.inv_freq.tolist()),
+                   float(config.rope_scaling), target, digest)
+
+    @property
+    def state_size(self) -> int:
+        return len(self.target_layers) * self.hidden_size
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+class FeatureHead(nn.Module):
+    def __init__(self, config: HeadConfig):
+        super().__init__()
+        self.config = c = config
+        h, n = c.hidden_size, len(c.target_layers)
+        self.feature_norm = nn.Parameter(torch.ones(n, h))  # one RMSNorm per target layer
+        self.fuse = nn.Linear(n * h, h, bias=False)  # [hidden, layers * hidden]
+        self.embed_norm = nn.Parameter(torch.ones(h))
+        self.state_norm = nn.Parameter(torch.ones(h))
+        self.input_proj = nn.Linear(2 * h, h, bias=False)  # (embedding, state) -> layer input
+        self.ln1 = nn.Parameter(torch.ones(h))
+        self.wqkv = nn.Linear(h, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim, bias=False)
+        self.wo = nn.Linear(c.num_heads * c.head_dim, h, bias=False)
+        self.ln2 = nn.Parameter(torch.ones(h))
+        self.wgu = nn.Linear(h, 2 * c.intermediate_size, bias=False)  # gate and up
+        self.wd = nn.Linear(c.intermediate_size, h, bias=False)
+        self.norm = nn.Parameter(torch.ones(h))
+        self.lm_head = nn.Linear(h, c.draft_vocab, bias=False)
+        self.register_buffer("d2t", torch.zeros(c.draft_vocab, dtype=torch.long))  # draft id -> target id
+        self.register_buffer("inv_freq", torch.tensor(c.inv_freq), persistent=False)  # [head_dim / 2]
+
+    # -- the pieces, shared by training and serving ------------------------------------------------
+
+    def fuse_states(self, states: torch.Tensor) -> torch.Tensor:
+        """The target's states [..., layers * hidden] -> g [..., hidden]."""
+        c = self.config
+        parts = states.float().unflatten(-1, (len(c.target_layers), c.hidden_size))
+        parts = F.rms_norm(parts, (c.hidden_size,), eps=c.rms_norm_eps) * self.feature_norm
+        return self.fuse(parts.flatten(-2))
+
+    def layer_input(self, state: torch.Tensor, embedding: torch.Tensor) -> torch.Tensor:
+        """(state [..., hidden], next token's embedding [..., hidden]) -> the layer's input."""
+        eps, h = self.config.rms_norm_eps, (self.config.hidden_size,)
+        e = F.rms_norm(embedding.float(), h, self.embed_norm, eps)
+        s = F.rms_norm(state, h, self.state_norm, eps)
+        return self.input_proj(torch.cat([e, s], dim=-1))
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [...] -> cos, sin [..., head_dim]."""
+        freqs = positions.float()[..., None] * self.inv_freq
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos() * self.config.rope_scaling, emb.sin() * self.config.rope_scaling
+
+    def qkv(self, u: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """u [..., T, hidden] -> q [..., heads, T, d], k, v [..., kv_heads, T, d] (RoPE applied)."""
+        c = self.config
+        x = F.rms_norm(u, (c.hidden_size,), self.ln1, c.rms_norm_eps)
+        q, k, v = self.wqkv(x).split([c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim,
+                                      c.num_kv_heads * c.head_dim], dim=-1)
+        q = q.unflatten(-1, (c.num_heads, c.head_dim)).transpose(-3, -2)
+        k = k.unflatten(-1, (c.num_kv_heads, c.head_dim)).transpose(-3, -2)
+        v = v.unflatten(-1, (c.num_kv_heads, c.head_dim)).transpose(-3, -2)
+        cos, sin = cos.unsqueeze(-3), sin.unsqueeze(-3)
+        return _rope(q, cos, sin), _rope(k, cos, sin), v
+
+    def finish(self, u: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Residual stream after the layer: u [..., hidden], attention output [..., heads * d]."""
+        c = self.config
+        x = u + self.wo(attn)
+        gate, up = self.wgu(F.rms_norm(x, (c.hidden_size,), self.ln2, c.rms_norm_eps)).chunk(2, dim=-1)
+        return x + self.wd(F.silu(gate) * up)
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        """Output states [..., hidden] -> draft-vocabulary logits [..., draft_vocab]."""
+        return self.lm_head(F.rms_norm(out, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps))
+
+    def group(self) -> int:
+        return self.config.num_heads // self.config.num_kv_heads
+
+    # -- checkpoint -------------------------------------------------------------------------------
+
+    def save(self, out: Path) -> None:
+        from safetensors.torch import save_file
+
+        out.mkdir(parents=True, exist_ok=True)
+        tensors = {k: v.detach().to(torch.bfloat16 if v.is_floating_point() else v.dtype).contiguous()
+                   for k, v in self.state_dict().items()}
+        save_file(tensors, str(out / WEIGHTS_NAME))
+        (out / CONFIG_NAME).write_text(json.dumps(asdict(self.config), indent=1))
+
+    @classmethod
+    def load(cls, path: Path) -> "FeatureHead":
+        from safetensors.torch import load_file
+
+        raw = json.loads((Path(path) / CONFIG_NAME).read_text())
+        raw["target_layers"], raw["inv_freq"] = tuple(raw["target_layers"]), tuple(raw["inv_freq"])
+        head = cls(HeadConfig(**raw))
+        tensors = {k: v.float() if v.is_floating_point() else v
+                   for k, v in load_file(str(Path(path) / WEIGHTS_NAME)).items()}
+        head.load_state_dict(tensors)
+        return head.eval()
+
+
+def is_head_checkpoint(path) -> bool:
+    p = Path(path)
+    return p.is_dir() and (p / CONFIG_NAME).exists() and (p / WEIGHTS_NAME).exists()
+
+
+def init_from_target(head: FeatureHead, weights: dict[str, torch.Tensor], num_layers: int, kept: torch.Tensor) -> None:
+    """Start the decoder layer from the target's last layer and the LM head from the target's
+    rows of the kept ids (`kept` [draft_vocab] target ids, which become d2t)."""
+    p = f"model.layers.{num_layers - 1}."
+    a = p + "self_attn."
+    with torch.no_grad():
+        head.ln1.copy_(weights[p + "input_layernorm.weight"].float())
+        head.wqkv.weight.copy_(torch.cat([weights[a + f"{x}_proj.weight"] for x in "qkv"]).float())
+        head.wo.weight.copy_(weights[a + "o_proj.weight"].float())
+        head.ln2.copy_(weights[p + "post_attention_layernorm.weight"].float())
+        head.wgu.weight.copy_(torch.cat([weights[p + "mlp.gate_proj.weight"],
+                                         weights[p + "mlp.up_proj.weight"]]).float())
+        head.wd.weight.copy_(weights[p + "mlp.down_proj.weight"].float())
+        head.norm.copy_(weights["model.norm.weight"].float())
+        lm = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
+        head.lm_head.weight.copy_(lm[kept].float())
+        head.d2t.copy_(kept)
+        for lin in (head.fuse, head.input_proj):
+            nn.init.normal_(lin.weight, std=1.0 / math.sqrt(lin.in_features))

@@ -1,0 +1,104 @@
+"""Teacher data for the feature-level head, cached in shards so an interrupted run resumes.
+
+The target answers generated prompts (services/draft/training/prompts.py; never Spec-Bench)
+with continuous batching, recording at every position it was fed the residual stream of the
+head's layers, and at every answer position its top-k next-token log-probabilities. Each shard
+holds 64 finished answers with their prompt indices; a rerun skips the prompts already answered.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from services.common.prompt import encode_prompt
+from services.draft.training import teacher
+from services.draft.training.prompts import make_prompts
+
+log = logging.getLogger(__name__)
+SHARD = 64  # answers per shard file
+
+
+@dataclass
+class TeacherPlan:
+    layers: tuple[int, ...]
+    prompts: int  # prompts generated (at most this many answered)
+    tokens: int  # stop starting prompts once this many answer tokens are cached
+    max_tokens: int
+    sampled_fraction: float  # answers sampled at T=0.8 / top-p 0.95; the rest greedy
+    batch: int
+    seed: int
+
+    def key(self) -> str:
+        layers = "-".join(map(str, self.layers))
+        return f"L{layers}-t{self.max_tokens}-s{self.seed}-f{self.sampled_fraction}"
+
+
+def load_shards(work: Path, plan: TeacherPlan) -> tuple[dict[int, teacher.Sample], float]:
+    """The cached answers by prompt index, and the teacher seconds they took."""
+    done, seconds = {}, 0.0
+    for path in sorted((work / plan.key()).glob("shard-*.pt")):
+        shard = torch.load(path, weights_only=False)
+        done.update(shard["samples"])
+        seconds += shard["seconds"]
+    return done, seconds
+
+
+def answer_tokens(samples) -> int:
+    return sum(len(s.ids) - s.prompt_len for s in samples)
+
+
+def build(target, work: Path, plan: TeacherPlan, minutes: float) -> tuple[list[teacher.Sample], float]:
+    """Extend the cache (at most `minutes` of generation) and return every cached answer, in
+    prompt order, with the total teacher seconds."""
+    done, seconds = load_shards(work, plan)
+    have = answer_tokens(done.values())
+    log.info("teacher cache %s: %d answers, %d answer tokens", work / plan.key(), len(done), have)
+    if have < plan.tokens and minutes > 0:
+        seconds += _extend(target, work, plan, done, have, minutes)
+    return [done[i] for i in sorted(done)], seconds
+
+
+def _extend(target, work: Path, plan: TeacherPlan, done: dict, have: int, minutes: float) -> float:
+    prompts = make_prompts(plan.prompts, seed=plan.seed)
+    rng = random.Random(plan.seed)
+    temps = [0.8 if rng.random() < plan.sampled_fraction else 0.0 for _ in prompts]
+    todo = [i for i in range(len(prompts)) if i not in done]
+    encoded = [encode_prompt(target.tokenizer, prompts[i], chat=True) for i in todo]
+    folder = work / plan.key()
+    folder.mkdir(parents=True, exist_ok=True)
+    pending: dict[int, teacher.Sample] = {}
+    tokens = [have]
+    clock = [time.monotonic()]
+    total = [0.0]
+
+    def flush():
+        if pending:
+            now = time.monotonic()
+            shard = {"samples": dict(pending), "seconds": now - clock[0]}
+            name = folder / f"shard-{min(pending):05d}-{time.time_ns()}.pt"
+            torch.save(shard, name.with_suffix(".tmp"))
+            name.with_suffix(".tmp").rename(name)  # a killed run never leaves half a shard
+            total[0] += now - clock[0]
+            clock[0] = now
+            pending.clear()
+
+    def on_sample(j: int, sample: teacher.Sample):
+        pending[todo[j]] = sample
+        done[todo[j]] = sample
+        tokens[0] += len(sample.ids) - sample.prompt_len
+        if len(pending) >= SHARD:
+            flush()
+            log.info("teacher: %d answers, %d answer tokens cached", len(done), tokens[0])
+
+    teacher.generate(target.model, encoded, [temps[i] for i in todo], target.config.eos_token_ids,
+                     plan.max_tokens, batch=plan.batch, seed=plan.seed + 7919,
+                     deadline=time.monotonic() + 60 * minutes, state_layers=plan.layers,
+                     on_sample=on_sample, enough=lambda: tokens[0] >= plan.tokens)
+    flush()
+    return total[0]

@@ -1,0 +1,229 @@
+"""Train the feature-level head on teacher data, with training-time test.
+
+Objective: cross-entropy to the target's top-k next-token distribution at every answer position
+(restricted to the head's vocabulary), at each of `unroll` steps. Step 0 reads the target's states;
+step s reads the head's own output states of step s - 1, shifted one position, so position t at
+step s is what a draft at depth s + 1 sees: the target's states up to t - s, then its own outputs.
+Attention follows the same rule: at step s a query at t sees step 0's keys at positions <= t - s
+and step i's key (1 <= i <= s) at position t - s + i only, the keys a tree path of the draft holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from services.draft.feature_head import FeatureHead
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Batch:
+    states: torch.Tensor  # [B, T, layers * hidden] float32: the target's states at positions 0..T-1
+    next_ids: torch.Tensor  # [B, T] long: x_{t+1}, the token the head reads at position t
+    rows: torch.Tensor  # [R] long: flat b * T + t of the positions with a teacher distribution for x_{t+2}
+    row_t: torch.Tensor  # [R] long: their t
+    teacher_ids: torch.Tensor  # [R, k] long: draft-vocabulary ids of the teacher's top-k (0 where not kept)
+    teacher_p: torch.Tensor  # [R, k] float32: their probabilities (0 where not kept)
+    teacher_top1: torch.Tensor  # [R] long: the target's most likely next token (target id)
+
+
+def make_batch(samples, t2d: torch.Tensor) -> Batch:
+    """Pad samples into one batch. t2d [target_vocab] long: draft id of each target id, -1 if not kept."""
+    T = max(len(s.ids) - 1 for s in samples)
+    width = samples[0].states.shape[1]
+    states = torch.zeros(len(samples), T, width)
+    next_ids = torch.zeros(len(samples), T, dtype=torch.long)
+    rows, row_t, ids, logp = [], [], [], []
+    for b, s in enumerate(samples):
+        n = len(s.ids) - 1
+        states[b, :n] = s.states[:n].float()
+        next_ids[b, :n] = torch.tensor(s.ids[1:])
+        # teacher row r is at position prompt_len - 1 + r and gives x_{prompt_len + r}, which the
+        # head predicts from position t = prompt_len - 2 + r
+        t = torch.arange(len(s.top_ids)) + s.prompt_len - 2
+        keep = t >= 0
+        rows.append(b * T + t[keep])
+        row_t.append(t[keep])
+        ids.append(s.top_ids[keep].long())
+        logp.append(s.top_logp[keep].float())
+    ids, logp = torch.cat(ids), torch.cat(logp)
+    draft_ids = t2d[ids]
+    kept = draft_ids >= 0
+    return Batch(states, next_ids, torch.cat(rows), torch.cat(row_t), draft_ids.clamp(min=0),
+                 logp.exp() * kept, ids[:, 0])
+
+
+def _shift(x: torch.Tensor, by: int) -> torch.Tensor:
+    """x [..., T, d] -> y with y[t] = x[t - by] (zeros for t < by)."""
+    if by == 0:
+        return x
+    return F.pad(x[..., : x.shape[-2] - by, :], (0, 0, by, 0))
+
+
+def _attend(q, k0, v0, extra, group: int) -> torch.Tensor:
+    """Training-time-test attention at step s = len(extra): q [B, H, T, d]; k0, v0 [B, KV, T, d]
+    (step 0's); extra[i - 1] = (k, v) of step i. Returns [B, T, H * d]."""
+    B, H, T, d = q.shape
+    s = len(extra)
+    k0, v0 = k0.repeat_interleave(group, 1), v0.repeat_interleave(group, 1)
+    scores = [q @ k0.transpose(-1, -2) / math.sqrt(d)]  # [B, H, T, T]
+    t = torch.arange(T)
+    scores[0] = scores[0].masked_fill(t[None, :] > (t[:, None] - s), float("-inf"))
+    shifted_v = []
+    for i, (k, v) in enumerate(extra, start=1):
+        off = s - i  # step i's key for query t sits at position t - off
+        k = _shift(k.repeat_interleave(group, 1), off)
+        sc = (q * k).sum(-1, keepdim=True) / math.sqrt(d)  # [B, H, T, 1]
+        scores.append(sc.masked_fill((t < off)[:, None], float("-inf")))
+        shifted_v.append(_shift(v.repeat_interleave(group, 1), off))
+    w = torch.cat(scores, dim=-1).softmax(-1)
+    out = w[..., :T] @ v0
+    for i, v in enumerate(shifted_v):
+        out = out + w[..., T + i : T + i + 1] * v
+    return out.transpose(1, 2).flatten(2)
+
+
+def unroll(head: FeatureHead, embed: torch.Tensor, batch: Batch, steps: int) -> list[torch.Tensor]:
+    """The head's output states [B, T, hidden] at each of `steps` unrolled steps."""
+    B, T, _ = batch.states.shape
+    cos, sin = head.rope(torch.arange(T))  # [T, d]
+    emb = embed[batch.next_ids]  # [B, T, hidden]
+    state = head.fuse_states(batch.states)
+    keys, outs = [], []
+    for s in range(steps):
+        u = head.layer_input(state, emb)
+        q, k, v = head.qkv(u, cos, sin)
+        attn = _attend(q, *(keys[0] if keys else (k, v)), keys[1:] + ([(k, v)] if keys else []), head.group())
+        keys.append((k, v))
+        out = head.finish(u, attn)
+        outs.append(out)
+        state = _shift(out, 1)  # position t reads the output of t - 1
+    return outs
+
+
+def step_losses(head: FeatureHead, outs: list[torch.Tensor], batch: Batch) -> list[dict]:
+    """Per step: loss (cross-entropy to the teacher), top-1 agreement with the target, and the
+    T = 1 acceptance estimate sum_k min(p_k, q_k) over the teacher's top-k."""
+    result = []
+    for s, out in enumerate(outs):
+        ok = batch.row_t >= s  # positions whose input state exists at this step
+        rows = batch.rows[ok]
+        logq = head.logits(out.flatten(0, 1)[rows]).log_softmax(-1)  # [R, draft_vocab]
+        p, ids = batch.teacher_p[ok], batch.teacher_ids[ok]
+        picked = logq.gather(1, ids)
+        loss = -(p * picked).sum(-1).mean()
+        with torch.no_grad():
+            top1 = (head.d2t[logq.argmax(-1)] == batch.teacher_top1[ok]).float().mean()
+            accept = torch.minimum(p, picked.exp()).sum(-1).mean()
+        result.append({"loss": loss, "top1": float(top1), "accept": float(accept), "rows": int(ok.sum())})
+    return result
+
+
+def batches(samples, batch_tokens: int, rng: random.Random) -> list[list]:
+    """Samples grouped by length into batches of about batch_tokens padded positions, shuffled."""
+    order = sorted(range(len(samples)), key=lambda i: len(samples[i].ids))
+    out, cur = [], []
+    for i in order:
+        longest = max([len(samples[j].ids) for j in cur] + [len(samples[i].ids)])
+        if cur and longest * (len(cur) + 1) > batch_tokens:
+            out.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        out.append(cur)
+    rng.shuffle(out)
+    return [[samples[i] for i in b] for b in out]
+
+
+@dataclass
+class TrainPlan:
+    steps: int  # optimizer steps (at most)
+    unroll: int
+    lr: float
+    batch_tokens: int
+    seed: int
+    step_weight: float = 0.8  # loss weight of unrolled step s: step_weight ** s
+    minutes: float = 60.0  # training budget of this run (stops early, keeps its state)
+
+
+@torch.no_grad()
+def evaluate(head: FeatureHead, embed: torch.Tensor, samples, t2d: torch.Tensor, plan: TrainPlan) -> list[dict]:
+    """Held-out metrics per unrolled step (= draft depth - 1), weighted by rows."""
+    totals = [{"loss": 0.0, "top1": 0.0, "accept": 0.0, "rows": 0} for _ in range(plan.unroll)]
+    for group in batches(samples, plan.batch_tokens, random.Random(0)):
+        batch = make_batch(group, t2d)
+        for tot, m in zip(totals, step_losses(head, unroll(head, embed, batch, plan.unroll), batch)):
+            for key in ("loss", "top1", "accept"):
+                tot[key] += float(m[key]) * m["rows"]
+            tot["rows"] += m["rows"]
+    return [{k: (v / t["rows"] if k != "rows" else v) for k, v in t.items()} for t in totals]
+
+
+def train(head: FeatureHead, embed: torch.Tensor, samples, t2d: torch.Tensor, plan: TrainPlan,
+          state_path: Path | None = None) -> dict:
+    """AdamW with warmup and cosine decay over at most plan.steps steps, fewer when the budget
+    (plan.minutes, timed over the first steps) allows fewer; saves its state to `state_path`
+    every 25 steps and at the end, and resumes from it when it exists."""
+    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=plan.lr,
+                            betas=(0.9, 0.95), weight_decay=0.01)
+    run = {"step": 0, "total": plan.steps, "seconds": 0.0, "history": []}
+    if state_path is not None and state_path.exists():
+        saved = torch.load(state_path, weights_only=False)
+        head.load_state_dict(saved["head"])
+        opt.load_state_dict(saved["opt"])
+        run = saved["run"]
+        log.info("resumed training at step %d of %d (%.0f s so far)", run["step"], run["total"], run["seconds"])
+    rng = random.Random(plan.seed + run["step"])
+    started = time.monotonic()
+    queue: list = []
+
+    def save():
+        if state_path is not None:
+            state = {"head": head.state_dict(), "opt": opt.state_dict(),
+                     "run": {**run, "seconds": run["seconds"] + time.monotonic() - started}}
+            torch.save(state, state_path.with_suffix(".tmp"))
+            state_path.with_suffix(".tmp").rename(state_path)
+
+    head.train()
+    while run["step"] < run["total"] and time.monotonic() < started + 60 * plan.minutes:
+        if not queue:
+            queue = batches(samples, plan.batch_tokens, rng)
+        loss, metrics = _step(head, embed, make_batch(queue.pop(), t2d), opt, plan, run)
+        run["step"] += 1
+        run["history"].append([run["step"], loss] + [m["top1"] for m in metrics])
+        if run["step"] == 3 and run["seconds"] == 0.0:  # a fresh run: fit the schedule to the budget
+            per_step = (time.monotonic() - started) / 3
+            run["total"] = max(4, min(plan.steps, int(60 * plan.minutes / per_step)))
+            log.info("%.1f s per step: %d steps fit the %.0f min budget", per_step, run["total"], plan.minutes)
+        if run["step"] % 25 == 0 or run["step"] == run["total"]:
+            log.info("step %d/%d loss %.3f top1 per depth %s", run["step"], run["total"], loss,
+                     " ".join(f"{m['top1']:.2f}" for m in metrics))
+            save()
+    save()
+    head.eval()
+    return {"steps": run["step"], "seconds": run["seconds"] + time.monotonic() - started, "history": run["history"]}
+
+
+def _step(head, embed, batch: Batch, opt, plan: TrainPlan, run: dict) -> tuple[float, list[dict]]:
+    """One optimizer step; returns the weighted loss and the per-depth metrics."""
+    step, total = run["step"], run["total"]
+    warmup = max(1, total // 20)
+    lr = plan.lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, step / total))))
+    for g in opt.param_groups:
+        g["lr"] = lr
+    metrics = step_losses(head, unroll(head, embed, batch, plan.unroll), batch)
+    loss = sum(plan.step_weight ** s * m["loss"] for s, m in enumerate(metrics))
+    opt.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+    opt.step()
+    return float(loss.detach()), metrics
