@@ -17,12 +17,13 @@ from specserve.v1 import common_pb2
 log = logging.getLogger(__name__)
 
 
-def _worker_info(role: str, loaded, device: str, proposer: str = "") -> common_pb2.InfoResponse:
+def _worker_info(role: str, loaded, device: str, proposer: str = "",
+                 feature_layers: tuple[int, ...] = ()) -> common_pb2.InfoResponse:
     c = loaded.config
     route_rows = loaded.model.matmul.small_rows if role == "verifier" else 0
     return common_pb2.InfoResponse(model=loaded.name, vocab_size=c.vocab_size, max_positions=c.max_positions,
                                    eos_token_ids=list(c.eos_token_ids), role=role, proposer=proposer,
-                                   device=device, route_rows=route_rows)
+                                   device=device, route_rows=route_rows, feature_layers=list(feature_layers))
 
 
 def _worker_metrics(role: str, args) -> WorkerMetrics:
@@ -55,8 +56,8 @@ async def serve_draft(args) -> None:
         CallbackCounter(metrics.registry, "specserve:slimspec_fallbacks",
                         "Switches of the draft from its SlimSpec head to the full head by the quality guard",
                         lambda: (slim_state() or {}).get("fallbacks", 0))
-    worker = StepWorker(_worker_info("draft", target, args.device, proposer.name), 0, ProposeWork(proposer),
-                        metrics, thread)
+    worker = StepWorker(_worker_info("draft", target, args.device, proposer.name, proposer.feature_layers), 0,
+                        ProposeWork(proposer), metrics, thread)
     server = GrpcServer(args.host, int(args.port), [draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name])
     draft_pb2_grpc.add_DraftServiceServicer_to_server(StepServicer(worker, codec.DRAFT), server.server)
     await server.run(float(args.grace_period))
@@ -107,9 +108,11 @@ async def _drafts(args, info: common_pb2.InfoResponse, spans):
         return _local_draft(info)
     drafts = RemoteWorkers("draft", addrs, spans)
     try:
-        return drafts, (await drafts.info()).proposer
+        draft_info = await drafts.info()
     except RuntimeError:
         return drafts, "unknown"
+    drafts.feature_layers = tuple(draft_info.feature_layers)  # the verifier is asked for these states
+    return drafts, draft_info.proposer
 
 
 def _step_config(args):

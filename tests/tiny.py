@@ -77,3 +77,25 @@ def hf_greedy(model, prompt: list[int], max_new: int, eos: int | None = EOS_ID) 
     out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False,
                          eos_token_id=eos, pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
     return out[0, len(prompt):].tolist()
+
+
+def make_head(loaded, layers=(0, 1), kept=None, seed: int = 0):
+    """A feature head for a loaded tiny target, started from the target (services/draft/feature_head.py)
+    and not trained; `kept`: its reduced vocabulary (target ids), all ids by default."""
+    from services.common.loading import load_weights
+    from services.common.vocab import vocabulary_digest
+    from services.draft.feature_head import FeatureHead, HeadConfig, init_from_target
+
+    torch.manual_seed(seed)
+    kept = torch.arange(loaded.config.vocab_size) if kept is None else kept
+    cfg = HeadConfig.for_target(loaded.config, tuple(layers), len(kept), "tiny", vocabulary_digest(loaded.tokenizer))
+    head = FeatureHead(cfg)
+    init_from_target(head, load_weights(loaded.path), loaded.config.num_layers, kept)
+    return head.eval()
+
+
+def head_proposer(loaded, head):
+    from services.common.loading import load_weights
+    from services.draft.head_proposer import HeadProposer
+
+    return HeadProposer(head, load_weights(loaded.path)["model.embed_tokens.weight"], loaded.config.vocab_size)

@@ -38,7 +38,8 @@ def add_bench_parser(sub, add_model_args) -> None:
     s.add_argument("--seed", type=int, default=0, help="question i samples with seed + i (temperature > 0)")
     s.add_argument("--draft", default=_env("DRAFT", "ngram"),
                    help="none | ngram | self | default (the committed draft of the default target) | PATH "
-                        "(a draft checkpoint) [SPECSERVE_DRAFT, default: ngram]")
+                        "(a draft checkpoint or a feature head), or several comma-separated, run side by side "
+                        "[SPECSERVE_DRAFT, default: ngram]")
     s.add_argument("--draft-length", default="4",
                    help="k per step, adaptive, or a comma-separated list run side by side, e.g. 0,2,4,adaptive "
                         "(default: 4)")

@@ -17,7 +17,8 @@ import torch
 
 from services.common.loading import LoadedModel, resolve_checkpoint, resolve_device, resolve_dtype
 from services.common.sampling import SamplingParams
-from services.draft.factory import build_proposer
+from services.draft.factory import HYBRID_SUFFIX, build_proposer
+from services.draft.feature_head import is_head_checkpoint
 from services.draft.proposer import Proposer
 from services.scheduler.core import StepConfig
 from services.scheduler.engine import Engine
@@ -162,7 +163,11 @@ def _resolve_draft(draft: str, target: LoadedModel) -> str:
 
 
 def _draft_label(draft: str) -> str:
-    return draft if draft in ("none", "ngram", "self") else "draft"
+    if draft in ("none", "ngram", "self"):
+        return draft
+    if draft.endswith(HYBRID_SUFFIX):
+        return "head_ngram"
+    return "head" if is_head_checkpoint(draft) else "draft"
 
 
 @dataclass
@@ -174,21 +179,15 @@ class DecoderSet:
 def build_decoders(target: LoadedModel, draft: str, draft_lengths: list[int | str], tree_size: int | None = None,
                    device: str = "cpu", dtype: str | None = None, peers: bool = True,
                    max_draft_length: int = DEFAULT_MAX_DRAFT_LENGTH) -> DecoderSet:
-    """This engine plain and with `draft` at each draft length (adaptive: up to `max_draft_length`);
-    with `peers`, HF `generate` and the HF peer matching the draft (assisted generation for a
-    checkpoint, prompt lookup for ngram) at the largest integer draft length."""
-    draft = _resolve_draft(draft, target)
-    label = _draft_label(draft)
+    """This engine plain and with each of `draft` (comma-separated: side by side) at each draft
+    length (adaptive: up to `max_draft_length`); with `peers`, HF `generate` and the HF peers
+    matching the drafts (assisted generation for a draft model, prompt lookup for ngram) at the
+    largest integer draft length."""
+    drafts = [_resolve_draft(d.strip(), target) for d in draft.split(",") if d.strip()]
     decoders: list[Decoder] = [EngineDecoder(PLAIN, target, None, "none", 0)]
-    if draft != "none":
-        proposer = build_proposer(draft, target, device=device, dtype=dtype)  # shared: one request at a time
-        for k in draft_lengths:
-            if k == 0:
-                continue  # that is the plain decoder
-            name = f"{label}_k{k}" if k != "adaptive" else f"{label}_adaptive"
-            if tree_size is not None:
-                name += f"_tree{tree_size}"
-            decoders.append(EngineDecoder(name, target, proposer, draft, k, tree_size, max_draft_length))
+    for d in drafts:
+        if d != "none":
+            decoders.extend(_engine_decoders(target, d, draft_lengths, tree_size, device, dtype, max_draft_length))
     if not peers:
         return DecoderSet(decoders, {})
     from transformers import AutoModelForCausalLM
@@ -203,14 +202,30 @@ def build_decoders(target: LoadedModel, draft: str, draft_lengths: list[int | st
     decoders.append(HFDecoder(HF_PLAIN, hf, eos, pad))
     assisted, lookup = f"hf_assisted_k{k}", f"hf_prompt_lookup_k{k}"
     na: dict[str, str] = {}
-    if draft == "ngram":
+    if "ngram" in drafts:
         decoders.append(HFDecoder(lookup, hf, eos, pad, "prompt_lookup", prompt_lookup=True, draft_length=k))
-        na["hf_assisted"] = "runs with --draft PATH, a draft checkpoint"
-    elif draft not in ("none", "self"):
-        assistant = AutoModelForCausalLM.from_pretrained(resolve_checkpoint(draft), dtype=torch_dtype).to(dev).eval()
-        decoders.append(HFDecoder(assisted, hf, eos, pad, draft, assistant=assistant, draft_length=k))
-        na["hf_prompt_lookup"] = "runs with --draft ngram"
     else:
-        na["hf_assisted"] = "runs with --draft PATH, a draft checkpoint"
         na["hf_prompt_lookup"] = "runs with --draft ngram"
+    model_draft = next((d for d in drafts if _draft_label(d) == "draft"), None)
+    if model_draft is not None:
+        assistant = AutoModelForCausalLM.from_pretrained(resolve_checkpoint(model_draft), dtype=torch_dtype)
+        decoders.append(HFDecoder(assisted, hf, eos, pad, model_draft, assistant=assistant.to(dev).eval(),
+                                  draft_length=k))
+    else:
+        na["hf_assisted"] = "runs with --draft PATH, a draft model checkpoint"
     return DecoderSet(decoders, na)
+
+
+def _engine_decoders(target: LoadedModel, draft: str, draft_lengths: list[int | str], tree_size: int | None,
+                     device: str, dtype: str | None, max_draft_length: int) -> list[Decoder]:
+    """This engine with one draft at each draft length (one proposer: one request at a time)."""
+    proposer = build_proposer(draft, target, device=device, dtype=dtype)
+    label, out = _draft_label(draft), []
+    for k in draft_lengths:
+        if k == 0:
+            continue  # that is the plain decoder
+        name = f"{label}_k{k}" if k != "adaptive" else f"{label}_adaptive"
+        if tree_size is not None:
+            name += f"_tree{tree_size}"
+        out.append(EngineDecoder(name, target, proposer, draft, k, tree_size, max_draft_length))
+    return out

@@ -7,6 +7,7 @@ builds its result. `generate_event` builds the scheduler's events for the gatewa
 
 from __future__ import annotations
 
+from services.common.hidden_states import HiddenStates
 from services.common.sampling import SamplingParams
 from services.common.tree import MAX_TREE_NODES, DraftTree
 from services.common.verdict import Verdict
@@ -49,13 +50,26 @@ def tree_from_pb(msg: common_pb2.DraftTree, max_nodes: int | None = None) -> Dra
                      [list(q.probs) for q in msg.q], list(msg.confidence))
 
 
+def states_to_pb(hs: HiddenStates) -> common_pb2.HiddenStates:
+    return common_pb2.HiddenStates(start=hs.start, rows=hs.rows, width=int(hs.data.shape[1]), data=hs.to_bytes())
+
+
+def states_from_pb(msg: common_pb2.HiddenStates) -> HiddenStates:
+    """ValueError for a size that does not match its shape or a non-finite value."""
+    return HiddenStates.from_bytes(msg.start, msg.rows, msg.width, msg.data)
+
+
 def verdict_to_pb(request_id: str, v: Verdict) -> verifier_pb2.Verdict:
-    return verifier_pb2.Verdict(request_id=request_id, accepted_nodes=v.accepted_nodes, tokens=v.tokens,
-                                bonus=v.bonus)
+    msg = verifier_pb2.Verdict(request_id=request_id, accepted_nodes=v.accepted_nodes, tokens=v.tokens,
+                               bonus=v.bonus)
+    if v.states is not None:
+        msg.states.CopyFrom(states_to_pb(v.states))
+    return msg
 
 
 def verdict_from_pb(msg: verifier_pb2.Verdict) -> Verdict:
-    return Verdict(list(msg.accepted_nodes), list(msg.tokens), msg.bonus)
+    states = states_from_pb(msg.states) if msg.HasField("states") else None
+    return Verdict(list(msg.accepted_nodes), list(msg.tokens), msg.bonus, states)
 
 
 def _common_item(it: WorkItem) -> dict:
@@ -82,7 +96,8 @@ class DraftCodec:
     @staticmethod
     def step(step_id: int, items: list[WorkItem], release: list[str]) -> draft_pb2.ProposeStep:
         return draft_pb2.ProposeStep(step_id=step_id, release=release, items=[
-            draft_pb2.ProposeItem(draft_length=it.draft_length, tree_size=it.tree_size, **_common_item(it))
+            draft_pb2.ProposeItem(draft_length=it.draft_length, tree_size=it.tree_size,
+                                  states=[states_to_pb(hs) for hs in it.states], **_common_item(it))
             for it in items])
 
     @staticmethod
@@ -91,7 +106,8 @@ class DraftCodec:
 
     @staticmethod
     def items(msg: draft_pb2.ProposeStep) -> list[WorkItem]:
-        return [WorkItem(draft_length=pb.draft_length, tree_size=pb.tree_size, **_item_fields(pb)) for pb in msg.items]
+        return [WorkItem(draft_length=pb.draft_length, tree_size=pb.tree_size,
+                         states=[states_from_pb(hs) for hs in pb.states], **_item_fields(pb)) for pb in msg.items]
 
     @staticmethod
     def result(step_id: int, items: list[WorkItem], out: StepOutput) -> draft_pb2.ProposeResult:
@@ -107,7 +123,8 @@ class VerifierCodec:
     @staticmethod
     def step(step_id: int, items: list[WorkItem], release: list[str]) -> verifier_pb2.VerifyStep:
         return verifier_pb2.VerifyStep(step_id=step_id, release=release, items=[
-            verifier_pb2.VerifyItem(tree=tree_to_pb(it.tree or DraftTree()), **_common_item(it)) for it in items])
+            verifier_pb2.VerifyItem(tree=tree_to_pb(it.tree or DraftTree()), state_layers=it.state_layers,
+                                    **_common_item(it)) for it in items])
 
     @staticmethod
     def results(msg: verifier_pb2.VerifyResult) -> list[Verdict | None]:
@@ -115,7 +132,8 @@ class VerifierCodec:
 
     @staticmethod
     def items(msg: verifier_pb2.VerifyStep) -> list[WorkItem]:
-        return [WorkItem(tree=tree_from_pb(pb.tree, MAX_TREE_NODES), **_item_fields(pb)) for pb in msg.items]
+        return [WorkItem(tree=tree_from_pb(pb.tree, MAX_TREE_NODES), state_layers=tuple(pb.state_layers),
+                         **_item_fields(pb)) for pb in msg.items]
 
     @staticmethod
     def result(step_id: int, items: list[WorkItem], out: StepOutput) -> verifier_pb2.VerifyResult:

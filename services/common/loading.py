@@ -165,3 +165,15 @@ def load_model(spec: str, device: str = "cpu", dtype: str | None = None, weights
     tokenizer = AutoTokenizer.from_pretrained(ckpt)
     model = LlamaModel(config, load_weights(ckpt), dev, dt) if weights else None
     return LoadedModel(name=spec, path=ckpt, config=config, tokenizer=tokenizer, model=model)
+
+
+def load_tensor(ckpt: Path, name: str) -> torch.Tensor:
+    """One tensor of a checkpoint, without reading the others (a feature head needs only the
+    target's token embedding)."""
+    from safetensors import safe_open
+
+    for f in sorted(Path(ckpt).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as fh:
+            if name in fh.keys():
+                return fh.get_tensor(name)
+    raise KeyError(f"{ckpt} holds no tensor {name!r}")

@@ -24,8 +24,9 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from services.common.hidden_states import HiddenStates
 from services.common.metrics import Registry, WorkerMetrics
 from services.common.sampling import SamplingParams
 from services.common.sequence import Sequence, Sequences
@@ -56,6 +57,8 @@ class WorkItem:
     tree_size: int = 0
     tree: DraftTree | None = None  # the verifier's tree to verify
     traceparent: str = ""  # the scheduler's span of the request, with its first item to a worker
+    state_layers: tuple[int, ...] = ()  # verifier: return the states of these target layers
+    states: list[HiddenStates] = field(default_factory=list)  # draft: the target's states since the last item
 
 
 @dataclass

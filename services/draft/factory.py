@@ -5,8 +5,11 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from services.common.loading import LoadedModel, load_model
-from services.common.vocab import check_same_vocabulary
+from services.common.loading import LoadedModel, load_model, load_tensor
+from services.common.vocab import check_same_vocabulary, check_vocabulary_digest
+from services.draft.feature_head import FeatureHead, is_head_checkpoint
+from services.draft.head_proposer import HeadProposer
+from services.draft.hybrid import HybridProposer
 from services.draft.model_proposer import ModelProposer
 from services.draft.ngram import NgramProposer
 from services.draft.proposer import Proposer
@@ -16,10 +19,12 @@ from services.draft.slim_guard import GuardConfig, SlimGuard
 log = logging.getLogger(__name__)
 
 DRAFT_CHOICES = ("default (the committed draft for the default target) | none | ngram | self | "
-                 "PATH (a draft checkpoint sharing the target's tokenizer)")
+                 "PATH (a draft checkpoint sharing the target's tokenizer, or a feature head's directory) | "
+                 "PATH+ngram (a feature head and the n-gram lookup)")
 # The distilled draft for SmolLM2-135M-Instruct, committed with the code (scripts/train_draft.py).
 DEFAULT_DRAFT_DIR = Path(__file__).resolve().parents[2] / "models" / "draft"
 DEFAULT_COMPRESSION_RATIO = 0.2
+HYBRID_SUFFIX = "+ngram"  # PATH+ngram: a feature head and the n-gram lookup (services/draft/hybrid.py)
 DEFAULT_GUARD_POINTS = 5.0
 
 
@@ -59,6 +64,10 @@ def build_proposer(draft: str, target: LoadedModel, device: str = "cpu", dtype: 
         return None
     if draft == "ngram":
         return NgramProposer()
+    if is_head_checkpoint(draft):
+        return build_head_proposer(draft, target)
+    if draft.endswith(HYBRID_SUFFIX) and is_head_checkpoint(draft[: -len(HYBRID_SUFFIX)]):
+        return HybridProposer(build_head_proposer(draft[: -len(HYBRID_SUFFIX)], target))
     if draft == "self":  # the target drafts for itself: every draft token is accepted
         if target.model is None:
             target = load_model(target.name, device=device, dtype=dtype)
@@ -73,3 +82,16 @@ def build_proposer(draft: str, target: LoadedModel, device: str = "cpu", dtype: 
                  target.config.vocab_size, compression_ratio,
                  "off" if guard is None else f"{guard.config.points} points")
     return ModelProposer(loaded.model, target.config.vocab_size, slim=slim, guard=guard)
+
+
+def build_head_proposer(path: str, target: LoadedModel) -> HeadProposer:
+    """A feature head's directory: checked against the target, run on the target's embedding."""
+    head = FeatureHead.load(Path(path))
+    c, t = head.config, target.config
+    if (c.hidden_size, c.target_vocab) != (t.hidden_size, t.vocab_size) or max(c.target_layers) >= t.num_layers:
+        raise ValueError(f"feature head {path!r} was built for another target (hidden {c.hidden_size}, vocab "
+                         f"{c.target_vocab}, layers {list(c.target_layers)}) than {target.name!r}")
+    check_vocabulary_digest(target.tokenizer, c.vocabulary_digest, target.name, path)
+    embed = load_tensor(Path(target.path), "model.embed_tokens.weight")
+    log.info("feature head %s: layers %s of the target, %d draft ids", path, list(c.target_layers), c.draft_vocab)
+    return HeadProposer(head, embed, t.vocab_size)

@@ -2,11 +2,7 @@
 tree, level by level, one batched draft forward per level for every request.
 
 Tree shape: depth at most k (draft_length), at most tree_size nodes, at most
-ceil(tree_size / k) nodes per level. Each level's slots go to the (frontier node, r-th most likely
-child) pairs with the highest path probability. How many children a node gets is decided from
-the draft's distribution at that node before anything is sampled, so at temperature > 0 the
-sampled children (drawn without replacement from q, the draft's distribution truncated to its
-`q_support` most likely tokens) keep exactly the q recorded with them.
+ceil(tree_size / k) nodes per level, grown as services/draft/tree_growth.py describes.
 
 Draft KV cache per request (its sequence's): slots [0, len(cached)) hold committed tokens, the tree nodes fed to
 the draft follow in node order. On the next step the accepted path is found by walking the new
@@ -22,13 +18,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-import torch
 
 from services.common.llama import Chunk, LlamaModel
-from services.common.sampling import warp_probs
 from services.common.tree import MAX_TREE_NODES, DraftTree
 from services.draft.proposer import ProposeItem, Proposer
 from services.draft.slim import SlimHead
+from services.draft.tree_growth import Growth, distributions, grow
 from services.draft.slim_guard import SlimGuard
 
 
@@ -39,16 +34,6 @@ class _Drafted:
     tree: DraftTree
     slim: bool  # whether the slim head drafted it
     fed: int = 0  # nodes 0..fed-1 of the tree have KV in slots len(seq.cached)..
-
-
-@dataclass
-class _Work:
-    """One request's tree being built in this step."""
-
-    item: ProposeItem
-    tree: DraftTree
-    width: int  # nodes per level
-    frontier: list[tuple[int, float]]  # (node, path probability) of the last level; node -1 = root
 
 
 class ModelProposer(Proposer):
@@ -89,59 +74,6 @@ class ModelProposer(Proposer):
             seq.sync()  # the root must be fed to get its distribution
         return seq.tokens[len(seq.cached):]
 
-    def _distributions(self, works: list[_Work], logits: list[torch.Tensor],
-                       kept: torch.Tensor | None) -> list[tuple]:
-        """Per work: (sorted q values [rows, K], their target ids [rows, K]) for the frontier rows.
-        kept: the slim head's ids (logits column j = target id kept[j]); None = the full head."""
-        out = []
-        for w, lg in zip(works, logits):
-            lg = lg[:, : self.vocab_size] if kept is None else lg  # [rows, vocab or kept]
-            p = w.item.seq.params
-            probs = lg.float().softmax(-1) if p.greedy else warp_probs(lg, p.temperature, p.top_k, p.top_p)
-            k = min(self.q_support if not p.greedy else self.branch, probs.shape[-1])
-            vals, ids = torch.topk(probs, k, dim=-1)  # [rows, K], sorted descending
-            if not p.greedy:
-                vals = vals / vals.sum(-1, keepdim=True)  # q: the truncated, renormalized draft
-            if kept is not None:
-                ids = kept[ids]  # slim columns -> target ids
-            out.append((vals, ids))
-        return out
-
-    def _grow(self, w: _Work, vals: torch.Tensor, ids: torch.Tensor) -> list[int]:
-        """Add one level of children under w.frontier; returns the new node indices."""
-        budget = min(w.width, w.item.tree_size - len(w.tree))
-        qv, qi = vals.tolist(), ids.tolist()  # per frontier row: sorted q values and their ids
-        cands = []  # (score, frontier row): children are allocated before any sampling
-        for row, (_, score) in enumerate(w.frontier):
-            for v in qv[row][: self.branch]:
-                if v <= 0.0:  # never allocate a child that cannot be drawn
-                    break
-                cands.append((score * v, row))
-        cands.sort(key=lambda c: -c[0])
-        counts = [0] * len(w.frontier)
-        for _, row in cands[:budget]:
-            counts[row] += 1
-        greedy = w.item.seq.params.greedy
-        new = []
-        for row, ((node, score), b) in enumerate(zip(w.frontier, counts)):
-            if b == 0:
-                continue
-            if greedy:  # deterministic top-b children, each with a point-mass q
-                for r in range(b):
-                    tok = qi[row][r]
-                    new.append((w.tree.add(tok, node, [tok], [1.0]), score * qv[row][r]))
-                continue
-            picks = torch.multinomial(vals[row], b, replacement=False, generator=w.item.seq.generator).tolist()
-            q = list(qv[row])
-            for j in picks:  # sibling i was drawn from q without the siblings before it
-                total = sum(q)
-                support = [(t, v / total) for t, v in zip(qi[row], q) if v > 0.0]
-                w.tree.add(qi[row][j], node, [t for t, _ in support], [v for _, v in support])
-                new.append((len(w.tree) - 1, score * qv[row][j]))
-                q[j] = 0.0
-        w.frontier = new
-        return [n for n, _ in new]
-
     def propose(self, items: list[ProposeItem]) -> list[DraftTree]:
         # The node budget is capped as the scheduler caps it (it also sizes each request's cache).
         items = [it if it.tree_size <= MAX_TREE_NODES else replace(it, tree_size=MAX_TREE_NODES) for it in items]
@@ -155,7 +87,7 @@ class ModelProposer(Proposer):
                 continue
             pending = self._sync(it)
             it.seq.scratch = _Drafted(trees[i], use_slim)
-            works.append(_Work(it, trees[i], max(1, math.ceil(it.tree_size / it.draft_length)), [(-1, 1.0)]))
+            works.append(Growth(it, trees[i], max(1, math.ceil(it.tree_size / it.draft_length)), [(-1, 1.0)]))
             chunks.append(Chunk(it.seq.cache, pending, list(range(-1, len(pending) - 1)),
                                 logits_from=len(pending) - 1))
         if not works:
@@ -165,8 +97,8 @@ class ModelProposer(Proposer):
             w.item.seq.cached = list(w.item.seq.tokens)
         depth = 1
         while works:
-            dists = self._distributions(works, logits, kept)
-            grown = [(w, self._grow(w, *d)) for w, d in zip(works, dists)]
+            dists = distributions(works, logits, kept, self.vocab_size, self.branch, self.q_support)
+            grown = [(w, grow(w, *d, self.branch)) for w, d in zip(works, dists)]
             depth += 1
             works, chunks = [], []
             for w, new in grown:

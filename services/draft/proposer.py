@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from services.common.hidden_states import HiddenStates
 from services.common.sequence import Sequence
 from services.common.tree import DraftTree
 from services.common.worker import StepWork, WorkItem
@@ -15,6 +16,7 @@ class ProposeItem:
     seq: Sequence  # the request: committed tokens, parameters, random stream, the draft's KV cache
     draft_length: int  # maximum tree depth k; 0 = no speculation this step
     tree_size: int  # node budget; equal to draft_length = a chain
+    states: list[HiddenStates] = field(default_factory=list)  # the target's states sent since the last step
 
 
 class Proposer(ABC):
@@ -24,6 +26,7 @@ class Proposer(ABC):
 
     name = "proposer"
     max_positions: int | None = None  # the draft's context, when it has one
+    feature_layers: tuple[int, ...] = ()  # a feature-level draft: the target layers whose states it reads
     runs_model = True  # False: no torch work (a draft service then steps it on its event loop)
 
     @abstractmethod
@@ -39,7 +42,7 @@ class ProposeWork(StepWork):
         self.runs_model = proposer.runs_model
 
     def run(self, work: list[tuple[Sequence, WorkItem]]) -> list[DraftTree]:
-        asked = [ProposeItem(seq, it.draft_length, it.tree_size) for seq, it in work if it.draft_length > 0]
+        asked = [ProposeItem(seq, it.draft_length, it.tree_size, it.states) for seq, it in work if it.draft_length > 0]
         trees = iter(self.proposer.propose(asked) if asked else [])
         return [next(trees) if it.draft_length > 0 else DraftTree() for _, it in work]
 

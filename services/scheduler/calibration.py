@@ -91,37 +91,44 @@ async def calibrate(latency: LatencyModel, verifiers: Workers, drafts: Workers |
     sizes = tree_sizes(max_k, width, latency.route_rows)
     tokens = {n: synthetic_prompt(vocab_size, salt) for salt, n in enumerate(sizes)}
     times: dict[int, list[float]] = {n: [] for n in sizes}
+    layers = drafts.feature_layers if drafts is not None else ()
+    states: dict[int, list] = {n: [] for n in sizes}  # what a feature-level draft is sent
     for rnd in range(REPEATS + 1):  # round 0 is the prefill
         for n in sizes:
             rid = f"__calibration_{n}__"
             t0 = time.perf_counter()
             reply = await verifiers.step(rnd, [Work(rid, tokens[n], params, tree=synthetic_chain(n if rnd else 0,
-                                                                                               vocab_size))])
+                                                                                               vocab_size),
+                                                    state_layers=layers)])
             if rid not in reply.results:
                 raise RuntimeError(f"the verifier did not answer the warm-up's {n}-node step")
             if rnd:
                 times[n].append(_ms(t0))
             tokens[n] = tokens[n] + list(reply.results[rid].tokens)
+            if reply.results[rid].states is not None:
+                states[n].append(reply.results[rid].states)
     fit_verify(latency, times)
     for n in sizes:
         verifiers.release(f"__calibration_{n}__")
     if drafts is not None:
-        await _calibrate_draft(latency, drafts, tokens, params, max_k, width)
+        await _calibrate_draft(latency, drafts, tokens, states, params, max_k, width)
     await verifiers.flush()
     _log_fit(latency)
 
 
 async def _calibrate_draft(latency: LatencyModel, drafts: Workers, tokens: dict[int, list[int]],
-                           params: SamplingParams, max_k: int, width: int) -> None:
+                           states: dict[int, list], params: SamplingParams, max_k: int, width: int) -> None:
     """Draft each size's tokens to depth min(max_k, n) in n nodes; later rounds propose again
-    from the same tokens (only the first sends them), so each round drafts the same tree."""
+    from the same tokens (only the first sends them, and the target's states), so each round
+    drafts the same tree."""
     for n, toks in tokens.items():
         if n == 0 or n > max_k * width:
             continue
         rid, k, runs, tree = f"__calibration_{n}__", min(max_k, n), [], None
         for rnd in range(REPEATS + 1):
             t0 = time.perf_counter()
-            reply = await drafts.step(rnd, [Work(rid, toks, params, draft_length=k, tree_size=n)])
+            reply = await drafts.step(rnd, [Work(rid, toks, params, draft_length=k, tree_size=n,
+                                                 states=states[n] if rnd == 0 else [])])
             runs.append(_ms(t0))
             tree = reply.results.get(rid)
         if tree is not None and len(tree):

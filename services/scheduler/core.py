@@ -189,7 +189,9 @@ class StepCore:
         confs = self._trim(batch, trees, time.perf_counter() - t0)
         t1 = time.perf_counter()
         # A request cancelled while the draft worked is not verified: its release is on its way.
-        verified = await self.verifiers.step(self.steps, [Work(r.req_id, r.tokens, r.params, tree=trees.get(r.req_id))
+        layers = self.drafts.feature_layers if self.drafts is not None else ()
+        verified = await self.verifiers.step(self.steps, [Work(r.req_id, r.tokens, r.params, tree=trees.get(r.req_id),
+                                                               state_layers=layers)
                                                           for r in batch if not r.finished])
         t2 = time.perf_counter()
         report = StepReport(self.steps, len(batch), t0, t1, t2, decisions=decisions)
@@ -240,7 +242,8 @@ class StepCore:
                        ) -> tuple[dict[str, DraftTree], int, set[str]]:
         """The trees of the requests that draft this step, how many the draft was sent, and
         which of them it received from their first token (a prefill)."""
-        works = [Work(r.req_id, r.tokens, r.params, *budgets[r.req_id]) for r in batch if budgets[r.req_id][0] > 0]
+        works = [Work(r.req_id, r.tokens, r.params, *budgets[r.req_id], states=r.take_states())
+                 for r in batch if budgets[r.req_id][0] > 0]
         if not works:
             return {}, 0, set()
         reply = await self.drafts.step(self.steps, works)
@@ -276,6 +279,8 @@ class StepCore:
             tree = trees.get(req.req_id) or DraftTree()
             if req.req_id in confs:
                 self.controller.observe_nodes(req.req_id, tree, confs[req.req_id], list(verdict.accepted_nodes))
+            if verdict.states is not None:
+                req.states.append(verdict.states)
             committed = req.commit(list(verdict.tokens), len(tree), len(verdict.accepted_nodes))
             report.outcomes.append(Outcome(req, budgets[req.req_id][0], tree, len(verdict.accepted_nodes),
                                            len(verdict.tokens), committed))

@@ -51,7 +51,8 @@ class Engine:
         self.drafts = None
         if proposer is not None:
             self.drafts = LocalWorkers("draft", StepWorker(info, 0, ProposeWork(proposer)),
-                                       max_positions=proposer.max_positions)
+                                       max_positions=proposer.max_positions,
+                                       feature_layers=proposer.feature_layers)
         eos = set(c.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos.add(self.tokenizer.eos_token_id)

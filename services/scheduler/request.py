@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from services.common.detokenizer import Detokenizer
+from services.common.hidden_states import HiddenStates, join
 from services.common.sampling import SamplingParams
 
 
@@ -40,6 +41,13 @@ class Request:
         self.eos_token_ids = () if params.ignore_eos else eos_token_ids
         self.detok = Detokenizer(tokenizer, params.stop)
         self.stats = RequestStats()
+        # The target's states the verifier returned since the draft was last sent them (a
+        # feature-level draft reads them; empty for the others).
+        self.states: list[HiddenStates] = []
+
+    def take_states(self) -> list[HiddenStates]:
+        states, self.states = join(self.states), []
+        return states
 
     @property
     def tokens(self) -> list[int]:

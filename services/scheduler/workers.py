@@ -13,6 +13,7 @@ import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
+from services.common.hidden_states import HiddenStates
 from services.common.sampling import SamplingParams
 from services.common.tree import DraftTree
 from services.common.worker import StepWorker, WorkItem
@@ -30,6 +31,8 @@ class Work:
     draft_length: int = 0  # the draft's depth and node budget this step
     tree_size: int = 0
     tree: DraftTree | None = None  # the tree to verify
+    state_layers: tuple[int, ...] = ()  # verifier: return the states of these layers
+    states: list[HiddenStates] = field(default_factory=list)  # draft: the target's states since last sent
 
 
 @dataclass
@@ -45,6 +48,7 @@ class Reply:
 class Workers(ABC):
     kind: str  # "draft" or "verifier"
     max_positions: int | None = None  # a draft's context, when it has one: it stops drafting there
+    feature_layers: tuple[int, ...] = ()  # a feature-level draft: the target layers it reads
 
     @abstractmethod
     async def step(self, step_id: int, works: list[Work]) -> Reply:
@@ -65,7 +69,7 @@ class Workers(ABC):
 def work_item(w: Work, offset: int, traceparent: str = "") -> WorkItem:
     """The item for a worker that has the first `offset` committed tokens of the request."""
     return WorkItem(w.req_id, offset, w.tokens[offset:], w.params if offset == 0 else None,
-                    w.draft_length, w.tree_size, w.tree, traceparent)
+                    w.draft_length, w.tree_size, w.tree, traceparent, w.state_layers, w.states)
 
 
 def collect(reply: Reply, sent: dict[str, int], works: list[Work], items: list[WorkItem], results: list) -> None:
@@ -86,8 +90,9 @@ class LocalWorkers(Workers):
     otherwise it raises (the in-process engine)."""
 
     def __init__(self, kind: str, worker: StepWorker, max_positions: int | None = None,
-                 contain_errors: bool = False):
+                 contain_errors: bool = False, feature_layers: tuple[int, ...] = ()):
         self.kind, self.worker, self.max_positions = kind, worker, max_positions
+        self.feature_layers = tuple(feature_layers)
         self.contain_errors = contain_errors
         self.sent: dict[str, int] = {}  # request id -> committed tokens the worker has
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+from services.common.hidden_states import HiddenStates
 from services.common.llama import Chunk, LlamaModel
 from services.common.sampling import warp_probs
 from services.common.sequence import Sequence
@@ -20,6 +23,7 @@ CACHE_HEADROOM = 64  # slots allocated beyond a new request's tokens and tree (t
 class VerifyItem:
     seq: Sequence  # the request: committed tokens, parameters, random stream, KV cache
     tree: DraftTree
+    state_layers: tuple[int, ...] = ()  # return the states of these layers for the committed positions
 
 
 class Verifier:
@@ -31,6 +35,9 @@ class Verifier:
         """One target forward over the pending tokens and tree nodes of every item."""
         for it in items:
             it.tree.validate(self.vocab_size)
+            bad = [n for n in it.state_layers if not 0 <= n < self.model.config.num_layers]
+            if bad:
+                raise ValueError(f"state_layers {bad} outside the target's {self.model.config.num_layers} layers")
         chunks = []
         for it in items:
             seq = it.seq
@@ -40,19 +47,31 @@ class Verifier:
             pending = seq.tokens[len(seq.cached):]  # at least the last committed token (the root)
             chunks.append(Chunk(seq.cache, pending + it.tree.tokens,
                                 forest_parents(len(pending), it.tree), logits_from=len(pending) - 1))
-        all_logits = self.model.forward(chunks)  # per item [len(tree) + 1, vocab]
+        layers = next((it.state_layers for it in items if it.state_layers), ())
+        all_logits, all_states = self.model.forward_states(chunks, layers)  # logits [len(tree) + 1, vocab]
         verdicts = []
-        for it, logits in zip(items, all_logits):
+        for i, (it, logits) in enumerate(zip(items, all_logits)):
             p = it.seq.params
             if p.greedy:
                 verdict = accept_greedy(it.tree, logits)
             else:
                 verdict = accept_sampling(it.tree, warp_probs(logits, p.temperature, p.top_k, p.top_p),
                                           it.seq.generator)
+            start = len(it.seq.cached)
             it.seq.cached = list(it.seq.tokens)  # the forward cached every pending token
-            it.seq.keep_path(verdict.accepted_nodes, [it.tree.tokens[i] for i in verdict.accepted_nodes])
+            if it.state_layers:
+                verdict.states = _committed_states(all_states[i], len(it.seq.tokens) - start,
+                                                   verdict.accepted_nodes, start)
+            it.seq.keep_path(verdict.accepted_nodes, [it.tree.tokens[n] for n in verdict.accepted_nodes])
             verdicts.append(verdict)
         return verdicts
+
+
+def _committed_states(states: torch.Tensor, pending: int, accepted: list[int], start: int) -> HiddenStates:
+    """The rows of the positions a step committed: the pending tokens, then the accepted nodes
+    (tree node i is row pending + i). float16, saturated at its range (never infinite)."""
+    rows = torch.cat([states[:pending], states[[pending + n for n in accepted]]])
+    return HiddenStates(start, rows.float().clamp(-65504.0, 65504.0).to(torch.float16))
 
 
 class VerifyWork(StepWork):
@@ -62,8 +81,8 @@ class VerifyWork(StepWork):
         self.verifier = verifier
 
     def run(self, work: list[tuple[Sequence, WorkItem]]) -> list[Verdict]:
-        return self.verifier.verify([VerifyItem(seq, it.tree if it.tree is not None else DraftTree())
-                                     for seq, it in work])
+        return self.verifier.verify([VerifyItem(seq, it.tree if it.tree is not None else DraftTree(),
+                                                it.state_layers) for seq, it in work])
 
     def tokens(self, work, results) -> int:
         return sum(len(it.tree or ()) + 1 for _, it in work)

@@ -59,7 +59,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model", "vocab_size", "max_positions", "eos_token_ids", "role", "proposer", "device", "route_rows")
+    __slots__ = ("model", "vocab_size", "max_positions", "eos_token_ids", "role", "proposer", "device", "route_rows", "feature_layers")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_POSITIONS_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +68,7 @@ class InfoResponse(_message.Message):
     PROPOSER_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     ROUTE_ROWS_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     max_positions: int
@@ -76,7 +77,20 @@ class InfoResponse(_message.Message):
     proposer: str
     device: str
     route_rows: int
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_positions: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., role: _Optional[str] = ..., proposer: _Optional[str] = ..., device: _Optional[str] = ..., route_rows: _Optional[int] = ...) -> None: ...
+    feature_layers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_positions: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., role: _Optional[str] = ..., proposer: _Optional[str] = ..., device: _Optional[str] = ..., route_rows: _Optional[int] = ..., feature_layers: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class HiddenStates(_message.Message):
+    __slots__ = ("start", "rows", "width", "data")
+    START_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    rows: int
+    width: int
+    data: bytes
+    def __init__(self, start: _Optional[int] = ..., rows: _Optional[int] = ..., width: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class StateRequest(_message.Message):
     __slots__ = ()

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ProposeItem(_message.Message):
-    __slots__ = ("request_id", "offset", "tokens", "draft_length", "tree_size", "params", "traceparent")
+    __slots__ = ("request_id", "offset", "tokens", "draft_length", "tree_size", "params", "traceparent", "states")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class ProposeItem(_message.Message):
     TREE_SIZE_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    STATES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     offset: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -23,7 +24,8 @@ class ProposeItem(_message.Message):
     tree_size: int
     params: _common_pb2.SamplingParams
     traceparent: str
-    def __init__(self, request_id: _Optional[str] = ..., offset: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., draft_length: _Optional[int] = ..., tree_size: _Optional[int] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    states: _containers.RepeatedCompositeFieldContainer[_common_pb2.HiddenStates]
+    def __init__(self, request_id: _Optional[str] = ..., offset: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., draft_length: _Optional[int] = ..., tree_size: _Optional[int] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., traceparent: _Optional[str] = ..., states: _Optional[_Iterable[_Union[_common_pb2.HiddenStates, _Mapping]]] = ...) -> None: ...
 
 class ProposeStep(_message.Message):
     __slots__ = ("step_id", "items", "release")

@@ -8,20 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class VerifyItem(_message.Message):
-    __slots__ = ("request_id", "offset", "tokens", "tree", "params", "traceparent")
+    __slots__ = ("request_id", "offset", "tokens", "tree", "params", "traceparent", "state_layers")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    STATE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     offset: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     tree: _common_pb2.DraftTree
     params: _common_pb2.SamplingParams
     traceparent: str
-    def __init__(self, request_id: _Optional[str] = ..., offset: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., tree: _Optional[_Union[_common_pb2.DraftTree, _Mapping]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    state_layers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., offset: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., tree: _Optional[_Union[_common_pb2.DraftTree, _Mapping]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., traceparent: _Optional[str] = ..., state_layers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VerifyStep(_message.Message):
     __slots__ = ("step_id", "items", "release")
@@ -34,18 +36,20 @@ class VerifyStep(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., items: _Optional[_Iterable[_Union[VerifyItem, _Mapping]]] = ..., release: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("request_id", "accepted_nodes", "tokens", "bonus", "need_resync")
+    __slots__ = ("request_id", "accepted_nodes", "tokens", "bonus", "need_resync", "states")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_NODES_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     BONUS_FIELD_NUMBER: _ClassVar[int]
     NEED_RESYNC_FIELD_NUMBER: _ClassVar[int]
+    STATES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     accepted_nodes: _containers.RepeatedScalarFieldContainer[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     bonus: bool
     need_resync: bool
-    def __init__(self, request_id: _Optional[str] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., bonus: _Optional[bool] = ..., need_resync: _Optional[bool] = ...) -> None: ...
+    states: _common_pb2.HiddenStates
+    def __init__(self, request_id: _Optional[str] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., bonus: _Optional[bool] = ..., need_resync: _Optional[bool] = ..., states: _Optional[_Union[_common_pb2.HiddenStates, _Mapping]] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
     __slots__ = ("step_id", "verdicts", "timing")

@@ -1,6 +1,7 @@
 """One step, two drivers: the scheduler service (real processes over gRPC) and the in-process
 engine give the same tokens for every configuration: plain decoding, chains and trees, the model
-draft and the n-gram (the scheduler's own), adaptive, and sampling with a seed at a fixed k."""
+draft, the feature head (the target's states travel verifier -> scheduler -> draft) and the n-gram
+(the scheduler's own), adaptive, and sampling with a seed at a fixed k."""
 
 import asyncio
 
@@ -8,10 +9,12 @@ import pytest
 
 from services.common.loading import load_model
 from services.common.sampling import SamplingParams
+from services.draft.factory import build_head_proposer
 from services.draft.model_proposer import ModelProposer
 from services.draft.ngram import NgramProposer
 from services.scheduler.core import StepConfig
 from services.scheduler.engine import Engine
+from tests import tiny
 from tests.integration.stack import Stack, stack_env
 from tests.integration.test_services import generate
 
@@ -32,21 +35,33 @@ CONFIGS = {
     "ngram-tree": ("ngram", "ngram", 4, 8, GREEDY),
     "ngram-sampled": ("ngram", "ngram", 3, 3, SAMPLED),
     "ngram-adaptive": ("ngram", "ngram", "adaptive", None, GREEDY),
+    "head-chain": ("head", "head", 3, 3, GREEDY),
+    "head-tree": ("head", "head", 3, 6, GREEDY),
+    "head-tree-sampled": ("head", "head", 3, 5, SAMPLED),
+    "head-adaptive": ("head-adaptive", "head", "adaptive", None, GREEDY),
 }
 
 
 @pytest.fixture(scope="module")
 def schedulers(tmp_path_factory, home, stack):
     """The stack's scheduler (model draft service, fixed k), one adaptive over the same draft
-    service, and one adaptive drafting by n-gram in its own process."""
-    st = Stack(tmp_path_factory.mktemp("identity"), stack_env(home))
+    service, one adaptive drafting by n-gram in its own process, and a fixed and an adaptive one
+    over a feature-head draft service."""
+    root = tmp_path_factory.mktemp("identity")
+    st = Stack(root, stack_env(home))
     common = ["--target", str(stack.target), "--verifier-addrs", stack.verifier_addr]
+    tiny.make_head(load_model(str(stack.target)), seed=5).save(root / "head")
     try:
+        head = st.start("draft", "--target", str(stack.target), "--draft", str(root / "head"))
         adaptive = st.start("scheduler", *common, "--draft-addrs", stack.draft_addr, "--draft-length", "adaptive")
         ngram = st.start("scheduler", *common, "--draft-addrs", "local", "--draft-length", "adaptive")
-        st.wait_healthy(adaptive)
-        st.wait_healthy(ngram)
-        yield {"model": stack.scheduler_addr, "model-adaptive": adaptive.addr, "ngram": ngram.addr}
+        st.wait_healthy(head)
+        fixed_head = st.start("scheduler", *common, "--draft-addrs", head.addr)
+        adaptive_head = st.start("scheduler", *common, "--draft-addrs", head.addr, "--draft-length", "adaptive")
+        for svc in (adaptive, ngram, fixed_head, adaptive_head):
+            st.wait_healthy(svc)
+        yield {"model": stack.scheduler_addr, "model-adaptive": adaptive.addr, "ngram": ngram.addr,
+               "head": fixed_head.addr, "head-adaptive": adaptive_head.addr, "head-dir": root / "head"}
     finally:
         st.stop_all()
 
@@ -60,7 +75,8 @@ def draft_model(stack):
 def test_services_and_engine_give_the_same_tokens(stack, schedulers, draft_model, name):
     scheduler, draft, k, tree_size, params = CONFIGS[name]
     target = stack.engine.target
-    proposer = ModelProposer(draft_model, target.config.vocab_size) if draft == "model" else NgramProposer()
+    proposer = {"model": lambda: ModelProposer(draft_model, target.config.vocab_size), "ngram": NgramProposer,
+                "head": lambda: build_head_proposer(str(schedulers["head-dir"]), target)}[draft]()
     engine = Engine(target, proposer if k != 0 else None, StepConfig(draft_length=k, tree_size=tree_size))
     fixed = {} if k == "adaptive" else {"draft_length": k, **({"tree_size": tree_size} if tree_size else {})}
     drafted = 0

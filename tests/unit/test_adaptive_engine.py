@@ -6,6 +6,7 @@ import torch
 
 from services.common.loading import load_model
 from services.common.sampling import SamplingParams
+from services.draft import model_proposer
 from services.draft.model_proposer import ModelProposer
 from services.draft.ngram import NgramProposer
 from services.scheduler.core import StepConfig
@@ -62,14 +63,14 @@ def test_adaptive_engine_samples_the_target_distribution(tmp_path_factory, home,
     dist.assert_matches(counts, dist.exact_distribution(tiny.hf_model(target_dir), params))
 
 
-def test_adaptive_stops_drafting_a_draft_that_is_never_right(models):
+def test_adaptive_stops_drafting_a_draft_that_is_never_right(models, monkeypatch):
     """A draft that proposes the target's least likely tokens is never accepted: after a probe or
     two the controller decodes plainly, re-probing only rarely."""
     target, _, _ = models
     vocab = target.config.vocab_size
     proposer = ModelProposer(target.model, vocab)
-    proposer._distributions = lambda works, logits, *_: [(-lg[:, :vocab].float()).softmax(-1).topk(4, dim=-1)
-                                                     for lg in logits]
+    monkeypatch.setattr(model_proposer, "distributions", lambda works, logits, *_: [
+        (-lg[:, :vocab].float()).softmax(-1).topk(4, dim=-1) for lg in logits])
     engine = Engine(target, proposer, StepConfig(draft_length="adaptive", max_draft_length=4), warm_up=False)
     # Drafting pays at the prior (alpha 0.5) under this latency law, and not at alpha 0.
     engine.controller.latency = LatencyModel(verify_prior=(10.0, 0.0, 2.0), draft_prior=(0.0, 0.0, 0.5, 0.5))

@@ -26,7 +26,7 @@ class DriftingVerifier(Workers):
     async def step(self, step_id, works):
         self.clock.now += self.cost_ms(len(works[0].tree)) / 1e3
         self.calls += 1
-        return Reply(results={works[0].req_id: SimpleNamespace(tokens=[1])})
+        return Reply(results={works[0].req_id: SimpleNamespace(tokens=[1], states=None)})
 
     def release(self, req_id):
         pass

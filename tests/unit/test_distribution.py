@@ -5,7 +5,6 @@ generated tokens over 20,000 seeded samples is compared with the exact distribut
 enumerating all 512 continuations with transformers (chi-square, p > 1e-3).
 """
 
-import itertools
 
 import numpy as np
 import pytest
@@ -60,6 +59,9 @@ def make_proposer(models, kind):
         return None
     if kind == "ngram":
         return NgramProposer(max_ngram=2)
+    if kind.startswith("head"):  # the feature head, untrained (from the target's last layer)
+        kept = SLIM_KEPT if kind == "head-slim" else None
+        return tiny.head_proposer(models["target"], tiny.make_head(models["target"], kept=kept, seed=24))
     draft = models["close" if kind.startswith("close") else "random"].model
     if kind == "close-slim":  # the slim head always
         return ModelProposer(draft, V, slim=SlimHead.build(draft, SLIM_KEPT))
@@ -113,6 +115,10 @@ CASES = [
     ("close-slim", 2, 5, SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)),
     ("close-slim-guard", 2, None, SamplingParams(max_tokens=3, temperature=0.8, top_k=5, top_p=0.9,
                                                  ignore_eos=True)),
+    # the feature head: drafts from the target's states (from the second step on)
+    ("head", 2, None, SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)),
+    ("head", 2, 5, SamplingParams(max_tokens=3, temperature=0.8, top_k=5, top_p=0.9, ignore_eos=True)),
+    ("head-slim", 2, 4, SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)),
 ]
 
 

@@ -1,0 +1,170 @@
+"""Feature-head proposer: the EAGLE-style head (services/draft/feature_head.py) drafts a tree
+from the target's hidden states, which the verifier returns for every position it commits.
+
+Per request (its draft sequence): a one-layer KV cache whose first `slots` slots hold the
+committed positions read from the target's states, in position order (a position whose states
+never arrived, after a lost replica, simply has no slot: the head drafts from what it has); the
+step's tree nodes follow, fed from the head's own output states, and are dropped at the next step,
+whose committed positions come back as target states (rolling back to the accepted path costs a
+truncate). The head drafts only when it has the states of every position up to the one before
+the last committed token; otherwise it proposes nothing that step (a replica that lost a request
+regains it as states arrive).
+
+Tree shape and sampling: services/draft/tree_growth.py, on the head's reduced vocabulary (its
+`d2t` map gives each column's target id; q is zero outside it, which rejection sampling allows).
+Greedy trees carry the head's probability of each node's token as its confidence (EAGLE-2's
+estimate of its acceptance given its parent's), which the scheduler's trim calibrates and uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.nn.functional as F
+
+from services.common.kv_cache import KVCache
+from services.common.tree import MAX_TREE_NODES, DraftTree
+from services.draft.feature_head import FeatureHead
+from services.draft.proposer import ProposeItem, Proposer
+from services.draft.tree_growth import Growth, distributions, grow
+
+CACHE_HEADROOM = 64
+
+
+@dataclass
+class _HeadState:
+    slots: int = 0  # cache slots holding committed positions
+    last: int = -1  # the last committed position fed
+    out: torch.Tensor | None = None  # [hidden]: the head's output state at `last`
+    tree_fed: int = 0  # this step's tree nodes with a slot (after the committed ones)
+    node_out: list = field(default_factory=list)  # output state [hidden] of each fed tree node
+
+
+@dataclass
+class _Part:
+    """One request's rows in one head forward."""
+
+    cache: KVCache
+    state: torch.Tensor  # [n, hidden]: the input state of each row (fused target states or a parent's output)
+    ids: list[int]  # [n]: the token each row reads
+    positions: list[int]  # [n]
+    mask: torch.Tensor  # [n, slots before + n] bool: what each row attends to
+
+
+class HeadProposer(Proposer):
+    name = "head"
+
+    def __init__(self, head: FeatureHead, embed: torch.Tensor, vocab_size: int, branch: int = 4,
+                 q_support: int = 32):
+        self.head = head.eval().requires_grad_(False)
+        self.embed = embed.float()  # [target vocab, hidden]: the target's token embedding
+        self.vocab_size = vocab_size
+        self.branch, self.q_support = branch, q_support
+        self.feature_layers = tuple(head.config.target_layers)
+        self.max_positions = head.config.max_positions
+        self.width = head.config.state_size
+
+    @torch.inference_mode()
+    def _forward(self, parts: list[_Part]) -> list[torch.Tensor]:
+        """Feed every part's rows into its cache; returns each part's output states [n, hidden]."""
+        h = self.head
+        u = h.layer_input(torch.cat([p.state for p in parts]), self.embed[[i for p in parts for i in p.ids]])
+        cos, sin = h.rope(torch.tensor([t for p in parts for t in p.positions]))
+        q, k, v = h.qkv(u, cos, sin)  # [heads, N, d], [kv_heads, N, d] x 2
+        attn, off = [], 0
+        for p in parts:
+            n, start = len(p.ids), p.cache.length
+            p.cache.reserve(start + n)
+            p.cache.k[0][:, start : start + n] = k[:, off : off + n]
+            p.cache.v[0][:, start : start + n] = v[:, off : off + n]
+            p.cache.length = start + n
+            o = F.scaled_dot_product_attention(q[None, :, off : off + n], p.cache.k[0][None, :, : start + n],
+                                               p.cache.v[0][None, :, : start + n], attn_mask=p.mask,
+                                               enable_gqa=True)[0]  # [heads, n, d]
+            attn.append(o.transpose(0, 1).flatten(1))
+            off += n
+        out = h.finish(u, torch.cat(attn))
+        return list(out.split([len(p.ids) for p in parts]))
+
+    def _state(self, seq) -> _HeadState:
+        st = seq.scratch if isinstance(seq.scratch, _HeadState) else None
+        if st is None or st.last >= len(seq.tokens) - 1:  # new, or tokens it never saw: start over
+            c = self.head.config
+            seq.cache = KVCache(1, c.num_kv_heads, c.head_dim, len(seq.tokens) + CACHE_HEADROOM,
+                                torch.float32, torch.device("cpu"))
+            st = seq.scratch = _HeadState()
+        seq.cache.truncate(st.slots)  # the last step's tree
+        st.tree_fed, st.node_out = 0, []
+        return st
+
+    def _committed_part(self, it: ProposeItem, st: _HeadState) -> _Part | None:
+        """The rows of the positions whose states arrived (and are new), or None."""
+        seq, rows, positions = it.seq, [], []
+        for hs in it.states:
+            hs.check(self.width)
+            first = max(hs.start, st.last + 1, len(positions) and positions[-1] + 1)
+            # position t reads the token after it, so it must be committed: t <= len(tokens) - 2
+            end = min(hs.start + hs.rows, len(seq.tokens) - 1)
+            if end > first:
+                rows.append(hs.data[first - hs.start : end - hs.start])
+                positions.extend(range(first, end))
+        if not positions:
+            return None
+        n = len(positions)
+        mask = torch.cat([torch.ones(n, st.slots, dtype=torch.bool), torch.ones(n, n, dtype=torch.bool).tril()], 1)
+        state = self.head.fuse_states(torch.cat(rows))
+        return _Part(seq.cache, state, [seq.tokens[t + 1] for t in positions], positions, mask)
+
+    def propose(self, items: list[ProposeItem]) -> list[DraftTree]:
+        items = [it if it.tree_size <= MAX_TREE_NODES else replace(it, tree_size=MAX_TREE_NODES) for it in items]
+        trees = [DraftTree() for _ in items]
+        live = [(i, it, self._state(it.seq)) for i, it in enumerate(items) if it.draft_length > 0 and it.tree_size > 0]
+        fed = [(it, st, part) for _, it, st in live if (part := self._committed_part(it, st)) is not None]
+        if fed:
+            for (it, st, part), out in zip(fed, self._forward([p for _, _, p in fed])):
+                st.slots, st.last, st.out = st.slots + len(part.ids), part.positions[-1], out[-1]
+        # the head drafts from the output at the position before the last committed token
+        works = [Growth(it, trees[i], max(1, -(-it.tree_size // it.draft_length)), [(-1, 1.0)])
+                 for i, it, st in live if st.out is not None and st.last == len(it.seq.tokens) - 2]
+        if works:
+            self._grow(works)
+        return trees
+
+    @torch.inference_mode()
+    def _grow(self, works: list[Growth]) -> None:
+        logits = [self.head.logits(w.item.seq.scratch.out[None]) for w in works]  # [1, draft vocab] each
+        depth = 1
+        while works:
+            dists = distributions(works, logits, self.head.d2t, self.vocab_size, self.branch, self.q_support)
+            grown = [(w, grow(w, *d, self.branch, confidence=True)) for w, d in zip(works, dists)]
+            depth += 1
+            works = [(w, new) for w, new in grown
+                     if new and depth <= w.item.draft_length and len(w.tree) < w.item.tree_size]
+            if not works:
+                return
+            outs = self._forward([self._tree_part(w, new) for w, new in works])
+            logits = []
+            for (w, _), out in zip(works, outs):
+                w.item.seq.scratch.node_out.extend(out)
+                logits.append(self.head.logits(out))
+            works = [w for w, _ in works]
+
+    def _tree_part(self, w: Growth, new: list[int]) -> _Part:
+        """The new level's nodes: each reads its parent's output state and its own token."""
+        seq, st, tree = w.item.seq, w.item.seq.scratch, w.tree
+        parents = [tree.parents[n] for n in new]
+        state = torch.stack([st.out if p < 0 else st.node_out[p] for p in parents])
+        depth = tree.depths()
+        positions = [st.last + depth[n] for n in new]
+        # prefix slots, then the tree's fed nodes (node i in slot st.slots + i) on the node's path
+        fed = st.tree_fed + len(new)
+        mask = torch.zeros(len(new), st.slots + fed, dtype=torch.bool)
+        mask[:, : st.slots] = True
+        for r, n in enumerate(new):
+            a = n
+            while a >= 0:
+                mask[r, st.slots + a] = True
+                a = tree.parents[a]
+        st.tree_fed = fed
+        return _Part(seq.cache, state, [tree.tokens[n] for n in new], positions, mask)
