@@ -24,8 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.common.matmul import Matmul
+
 CONFIG_NAME = "head_config.json"
 WEIGHTS_NAME = "head.safetensors"
+LINEARS = ("fuse", "input_proj", "wqkv", "wo", "wgu", "wd", "lm_head")
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,22 @@ class FeatureHead(nn.Module):
         self.lm_head = nn.Linear(h, c.draft_vocab, bias=False)
         self.register_buffer("d2t", torch.zeros(c.draft_vocab, dtype=torch.long))  # draft id -> target id
         self.register_buffer("inv_freq", torch.tensor(c.inv_freq), persistent=False)  # [head_dim / 2]
+        self._routes: dict | None = None  # serving: the engine's matmul routes (prepare_serving)
+        self._matmul: Matmul | None = None
+
+    def prepare_serving(self) -> None:
+        """Serve with the engine's matmul routes (services/common/matmul.py: F.linear or oneDNN's
+        blocked copy by row count, timed here): inference only, the weights are frozen."""
+        self._matmul = Matmul(torch.device("cpu"), torch.float32)
+        with torch.inference_mode():
+            self._routes = {n: self._matmul.weight(getattr(self, n).weight.detach().float().contiguous())
+                            for n in LINEARS}
+        self._matmul.tune(list(self._routes.values()))
+
+    def _linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        if self._routes is None:
+            return getattr(self, name)(x)
+        return self._matmul(x.reshape(-1, x.shape[-1]), self._routes[name]).reshape(*x.shape[:-1], -1)
 
     # -- the pieces, shared by training and serving ------------------------------------------------
 
@@ -92,14 +111,14 @@ class FeatureHead(nn.Module):
         c = self.config
         parts = states.float().unflatten(-1, (len(c.target_layers), c.hidden_size))
         parts = F.rms_norm(parts, (c.hidden_size,), eps=c.rms_norm_eps) * self.feature_norm
-        return self.fuse(parts.flatten(-2))
+        return self._linear("fuse", parts.flatten(-2))
 
     def layer_input(self, state: torch.Tensor, embedding: torch.Tensor) -> torch.Tensor:
         """(state [..., hidden], next token's embedding [..., hidden]) -> the layer's input."""
         eps, h = self.config.rms_norm_eps, (self.config.hidden_size,)
         e = F.rms_norm(embedding.float(), h, self.embed_norm, eps)
         s = F.rms_norm(state, h, self.state_norm, eps)
-        return self.input_proj(torch.cat([e, s], dim=-1))
+        return self._linear("input_proj", torch.cat([e, s], dim=-1))
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [...] -> cos, sin [..., head_dim]."""
@@ -111,7 +130,7 @@ class FeatureHead(nn.Module):
         """u [..., T, hidden] -> q [..., heads, T, d], k, v [..., kv_heads, T, d] (RoPE applied)."""
         c = self.config
         x = F.rms_norm(u, (c.hidden_size,), self.ln1, c.rms_norm_eps)
-        q, k, v = self.wqkv(x).split([c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim,
+        q, k, v = self._linear("wqkv", x).split([c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim,
                                       c.num_kv_heads * c.head_dim], dim=-1)
         q = q.unflatten(-1, (c.num_heads, c.head_dim)).transpose(-3, -2)
         k = k.unflatten(-1, (c.num_kv_heads, c.head_dim)).transpose(-3, -2)
@@ -122,13 +141,13 @@ class FeatureHead(nn.Module):
     def finish(self, u: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Residual stream after the layer: u [..., hidden], attention output [..., heads * d]."""
         c = self.config
-        x = u + self.wo(attn)
-        gate, up = self.wgu(F.rms_norm(x, (c.hidden_size,), self.ln2, c.rms_norm_eps)).chunk(2, dim=-1)
-        return x + self.wd(F.silu(gate) * up)
+        x = u + self._linear("wo", attn)
+        gate, up = self._linear("wgu", F.rms_norm(x, (c.hidden_size,), self.ln2, c.rms_norm_eps)).chunk(2, dim=-1)
+        return x + self._linear("wd", F.silu(gate) * up)
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         """Output states [..., hidden] -> draft-vocabulary logits [..., draft_vocab]."""
-        return self.lm_head(F.rms_norm(out, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps))
+        return self._linear("lm_head", F.rms_norm(out, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps))
 
     def group(self) -> int:
         return self.config.num_heads // self.config.num_kv_heads

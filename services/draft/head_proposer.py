@@ -58,6 +58,7 @@ class HeadProposer(Proposer):
     def __init__(self, head: FeatureHead, embed: torch.Tensor, vocab_size: int, branch: int = 4,
                  q_support: int = 32):
         self.head = head.eval().requires_grad_(False)
+        self.head.prepare_serving()
         self.embed = embed.float()  # [target vocab, hidden]: the target's token embedding
         self.vocab_size = vocab_size
         self.branch, self.q_support = branch, q_support
