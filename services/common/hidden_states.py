@@ -49,11 +49,12 @@ class HiddenStates:
 
 
 def join(parts: list[HiddenStates]) -> list[HiddenStates]:
-    """Merge runs of consecutive positions (what a draft that skipped steps is sent at once)."""
-    out: list[HiddenStates] = []
+    """Merge runs of consecutive positions (what a draft that skipped steps is sent at once),
+    concatenating each run once."""
+    runs: list[list[HiddenStates]] = []
     for p in parts:
-        if out and out[-1].start + out[-1].rows == p.start:
-            out[-1] = HiddenStates(out[-1].start, torch.cat([out[-1].data, p.data]))
+        if runs and runs[-1][-1].start + runs[-1][-1].rows == p.start:
+            runs[-1].append(p)
         else:
-            out.append(p)
-    return out
+            runs.append([p])
+    return [r[0] if len(r) == 1 else HiddenStates(r[0].start, torch.cat([p.data for p in r])) for r in runs]

@@ -204,3 +204,13 @@ def test_the_verifier_returns_the_states_of_what_it_committed(target):
     assert torch.allclose(v.states.data[0].float(), greedy[-1].half().float(), atol=1e-2)
     with pytest.raises(ValueError, match="state_layers"):
         verifier.verify([VerifyItem(seq, DraftTree(), (0, 5))])
+
+
+def test_states_of_skipped_steps_are_joined_into_runs():
+    from services.common.hidden_states import join
+
+    rows = torch.arange(18, dtype=torch.half).view(9, 2)
+    parts = [HiddenStates(0, rows[0:3]), HiddenStates(3, rows[3:5]), HiddenStates(7, rows[7:9])]
+    runs = join(parts)
+    assert [(r.start, r.rows) for r in runs] == [(0, 5), (7, 2)]
+    assert torch.equal(runs[0].data, rows[0:5]) and torch.equal(runs[1].data, rows[7:9])

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import math
-import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from services.draft.feature_head import FeatureHead
+from services.draft.training.student import make_batches
 
 log = logging.getLogger(__name__)
 
@@ -128,22 +128,6 @@ def step_losses(head: FeatureHead, outs: list[torch.Tensor], batch: Batch) -> li
     return result
 
 
-def batches(samples, batch_tokens: int, rng: random.Random) -> list[list]:
-    """Samples grouped by length into batches of about batch_tokens padded positions, shuffled."""
-    order = sorted(range(len(samples)), key=lambda i: len(samples[i].ids))
-    out, cur = [], []
-    for i in order:
-        longest = max([len(samples[j].ids) for j in cur] + [len(samples[i].ids)])
-        if cur and longest * (len(cur) + 1) > batch_tokens:
-            out.append(cur)
-            cur = []
-        cur.append(i)
-    if cur:
-        out.append(cur)
-    rng.shuffle(out)
-    return [[samples[i] for i in b] for b in out]
-
-
 @dataclass
 class TrainPlan:
     steps: int  # optimizer steps (at most)
@@ -159,8 +143,8 @@ class TrainPlan:
 def evaluate(head: FeatureHead, embed: torch.Tensor, samples, t2d: torch.Tensor, plan: TrainPlan) -> list[dict]:
     """Held-out metrics per unrolled step (= draft depth - 1), weighted by rows."""
     totals = [{"loss": 0.0, "top1": 0.0, "accept": 0.0, "rows": 0} for _ in range(plan.unroll)]
-    for group in batches(samples, plan.batch_tokens, random.Random(0)):
-        batch = make_batch(group, t2d)
+    for idx in make_batches(samples, plan.batch_tokens, torch.Generator().manual_seed(0)):
+        batch = make_batch([samples[i] for i in idx], t2d)
         for tot, m in zip(totals, step_losses(head, unroll(head, embed, batch, plan.unroll), batch)):
             for key in ("loss", "top1", "accept"):
                 tot[key] += float(m[key]) * m["rows"]
@@ -182,7 +166,7 @@ def train(head: FeatureHead, embed: torch.Tensor, samples, t2d: torch.Tensor, pl
         opt.load_state_dict(saved["opt"])
         run = saved["run"]
         log.info("resumed training at step %d of %d (%.0f s so far)", run["step"], run["total"], run["seconds"])
-    rng = random.Random(plan.seed + run["step"])
+    rng = torch.Generator().manual_seed(plan.seed + run["step"])
     started = time.monotonic()
     queue: list = []
 
@@ -196,8 +180,9 @@ def train(head: FeatureHead, embed: torch.Tensor, samples, t2d: torch.Tensor, pl
     head.train()
     while run["step"] < run["total"] and time.monotonic() < started + 60 * plan.minutes:
         if not queue:
-            queue = batches(samples, plan.batch_tokens, rng)
-        loss, metrics = _step(head, embed, make_batch(queue.pop(), t2d), opt, plan, run)
+            queue = make_batches(samples, plan.batch_tokens, rng)
+        batch = make_batch([samples[i] for i in queue.pop()], t2d)
+        loss, metrics = _step(head, embed, batch, opt, plan, run)
         run["step"] += 1
         run["history"].append([run["step"], loss] + [m["top1"] for m in metrics])
         if run["step"] == 3 and run["seconds"] == 0.0:  # a fresh run: fit the schedule to the budget
