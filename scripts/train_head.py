@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from services.common.loading import load_model, load_weights  # noqa: E402
 from services.common.vocab import vocabulary_digest  # noqa: E402
-from services.draft.feature_head import FeatureHead, HeadConfig, init_from_target  # noqa: E402
+from services.draft.feature_head import FeatureHead, HeadConfig, init_from_head, init_from_target  # noqa: E402
 from services.draft.slim import kept_ids  # noqa: E402
 from services.draft.training import feature_data, head_trainer  # noqa: E402
 
@@ -60,6 +60,9 @@ def parse_args(argv=None):
     p.add_argument("--train-minutes", type=float, default=60.0, help="training budget of this run")
     p.add_argument("--data-fraction", type=float, default=1.0,
                    help="train on this fraction of the answers (the data-size ablation)")
+    p.add_argument("--init", default="", help="continue from this trained head (same target and layers)")
+    p.add_argument("--held-out", type=int, default=30,
+                   help="answers held out for the card's metrics (the first ones, whatever the cache holds)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1), help="torch threads")
     return p.parse_args(argv)
@@ -93,22 +96,27 @@ def train_head(args, target, samples) -> dict:
     counts = np.zeros(target.config.vocab_size, dtype=np.int64)
     for s in samples:
         np.add.at(counts, np.asarray(s.ids[s.prompt_len :]), 1)
-    kept = kept_ids(counts, args.compression_ratio, target.config.vocab_size, target.config.eos_token_ids)
+    trained = FeatureHead.load(Path(args.init)) if args.init else None
+    # a continued run keeps its vocabulary: fresh rows beside trained ones would win argmaxes untrained
+    kept = trained.d2t.clone() if trained is not None else kept_ids(
+        counts, args.compression_ratio, target.config.vocab_size, target.config.eos_token_ids)
     t2d = torch.full((target.config.vocab_size,), -1, dtype=torch.long)
     t2d[kept] = torch.arange(len(kept))
-    n_eval = max(2, len(samples) // 25)
-    held_out, train_set = samples[:n_eval], samples[n_eval:]
+    held_out, train_set = samples[: args.held_out], samples[args.held_out :]
     train_set = train_set[: max(1, round(args.data_fraction * len(train_set)))]
     layers = tuple(int(x) for x in args.layers.split(","))
     config = HeadConfig.for_target(target.config, layers, len(kept), args.target, vocabulary_digest(target.tokenizer))
     head = FeatureHead(config)
     init_from_target(head, weights, target.config.num_layers, kept)
+    if trained is not None:
+        init_from_head(head, trained)
     embed = weights["model.embed_tokens.weight"].float()
     plan = head_trainer.TrainPlan(args.steps, args.unroll, args.lr, args.batch_tokens, args.seed,
                                   minutes=args.train_minutes)
     before = head_trainer.evaluate(head, embed, held_out, t2d, plan)
     log.info("held out before training: %s", before)
     key = f"{len(train_set)}-{args.compression_ratio}-{args.unroll}-{args.steps}-{args.lr}-{args.seed}"
+    key += "-from-" + Path(args.init).name if args.init else ""
     result = head_trainer.train(head, embed, train_set, t2d, plan, Path(args.work) / f"train-{key}.pt")
     after = head_trainer.evaluate(head, embed, held_out, t2d, plan)
     log.info("held out after training: %s", after)
@@ -117,7 +125,7 @@ def train_head(args, target, samples) -> dict:
     return {"layers": list(layers), "draft_vocab": len(kept), "compression_ratio": args.compression_ratio,
             "coverage": coverage, "answers": len(samples), "train_answers": len(train_set),
             "answer_tokens": feature_data.answer_tokens(train_set), "held_out_answers": len(held_out),
-            "unroll": args.unroll, "steps": result["steps"], "lr": args.lr, "batch_tokens": args.batch_tokens,
+            "init": args.init, "unroll": args.unroll, "steps": result["steps"], "lr": args.lr, "batch_tokens": args.batch_tokens,
             "train_seconds": result["seconds"], "before": before, "after": after, "history": result["history"],
             "bytes": sum(f.stat().st_size for f in Path(args.out).iterdir() if f.is_file())}
 

@@ -200,3 +200,21 @@ def init_from_target(head: FeatureHead, weights: dict[str, torch.Tensor], num_la
         head.d2t.copy_(kept)
         for lin in (head.fuse, head.input_proj):
             nn.init.normal_(lin.weight, std=1.0 / math.sqrt(lin.in_features))
+
+
+def init_from_head(head: FeatureHead, trained: FeatureHead) -> None:
+    """Continue from a trained head of the same target and layers (a longer run on more data): all
+    its weights, and its LM-head rows for the ids both vocabularies keep (new ids keep the target's)."""
+    a, b = head.config, trained.config
+    if (a.target_layers, a.hidden_size, a.target_vocab) != (b.target_layers, b.hidden_size, b.target_vocab):
+        raise ValueError(f"cannot continue from a head for layers {b.target_layers}, hidden {b.hidden_size}, "
+                         f"vocabulary {b.target_vocab}: this one has {a.target_layers}, {a.hidden_size}, {a.target_vocab}")
+    old = {t: j for j, t in enumerate(trained.d2t.tolist())}
+    pairs = [(j, old[t]) for j, t in enumerate(head.d2t.tolist()) if t in old]  # (new row, old row)
+    with torch.no_grad():
+        mine = head.state_dict()
+        for name, value in trained.state_dict().items():
+            if name not in ("lm_head.weight", "d2t"):
+                mine[name].copy_(value)
+        rows = torch.tensor(pairs, dtype=torch.long).reshape(-1, 2)
+        head.lm_head.weight[rows[:, 0]] = trained.lm_head.weight[rows[:, 1]]

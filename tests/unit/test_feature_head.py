@@ -144,6 +144,26 @@ def test_checkpoint_round_trip_and_vocabulary_check(target, tmp_path, tiny_targe
         build_head_proposer(str(tmp_path / "head"), load_model(str(other)))
 
 
+def test_a_continued_head_starts_from_the_trained_one(target):
+    """init_from_head: every weight from the trained head; its LM-head rows for the ids both
+    vocabularies keep, the target's rows for the others; a head for other layers is refused."""
+    from services.draft.feature_head import init_from_head
+
+    trained = tiny.make_head(target, kept=torch.arange(0, 40), seed=1)
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(0.01 * torch.randn_like(p))  # "trained": away from the target's start
+    fresh = tiny.make_head(target, kept=torch.arange(20, 60), seed=2)
+    target_rows = fresh.lm_head.weight.detach().clone()
+    init_from_head(fresh, trained)
+    assert torch.equal(fresh.wqkv.weight, trained.wqkv.weight) and torch.equal(fresh.fuse.weight, trained.fuse.weight)
+    assert torch.equal(fresh.lm_head.weight[:20], trained.lm_head.weight[20:40])  # ids 20..39: both keep them
+    assert torch.equal(fresh.lm_head.weight[20:], target_rows[20:])  # ids 40..59: only the new one
+    assert fresh.d2t.tolist() == list(range(20, 60))
+    with pytest.raises(ValueError, match="layers"):
+        init_from_head(tiny.make_head(target, layers=(1,)), trained)
+
+
 def test_hybrid_takes_the_ngram_on_long_matches_and_stays_lossless(target):
     from services.draft.hybrid import HybridProposer
 

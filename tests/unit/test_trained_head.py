@@ -20,7 +20,7 @@ PROMPTS = ["Explain how a refrigerator keeps food cold, in a short paragraph.",
            "What were the main causes of the French Revolution?",
            "Write a Python function that checks whether a word is a palindrome."]
 MAX_NEW = 48
-# The committed head's first draft token is accepted 0.20 of the time on these prompts (greedy,
+# The first committed head's first draft token was accepted 0.20 of the time on these prompts (greedy,
 # k = 1; 2026-12-02); the same head untrained accepts none.
 ACCEPTANCE_FLOOR = 0.08
 
