@@ -3,8 +3,12 @@
 
 Starts a local Redis (unless REDIS_URL is set), then the verifier, draft, scheduler and gateway as
 child processes (`python -m services.cli serve ROLE`), waits until every one reports SERVING on
-grpc.health.v1 and the gateway answers GET /health, prints how to call it and waits. Ctrl-C (or
-SIGTERM) stops everything: SIGTERM to each child, SIGKILL after the grace period.
+grpc.health.v1 and the gateway answers GET /health, prints how to call it and supervises: a service
+(or Redis) that exits after the stack came up is restarted on its port, after 1 s, then 2, 4, ...
+(at most 30 s) while it keeps failing; the others keep serving and reconnect. A service that exits
+CRASH_LOOP_EXITS times within CRASH_LOOP_WINDOW_S, or fails before the stack first came up (a
+configuration error, which a restart would not mend), stops everything. Ctrl-C (or SIGTERM) stops
+everything: SIGTERM to each child, SIGKILL after the grace period.
 
 Settings (environment; every other SPECSERVE_* variable passes through to the services):
   SPECSERVE_<ROLE>_PORT      gRPC port of ROLE (DRAFT, ...); default: services/common/settings.py
@@ -39,6 +43,8 @@ sys.path.insert(0, str(ROOT))
 from services.common.settings import DEFAULT_HTTP_PORT, DEFAULT_PORTS  # noqa: E402
 
 START_ORDER = ("verifier", "draft", "scheduler", "gateway")
+CRASH_LOOP_EXITS, CRASH_LOOP_WINDOW_S = 5, 60.0  # this many exits within the window: give up
+MAX_BACKOFF_S = 30.0
 STOP_ORDER = (("gateway",), ("scheduler",), ("draft", "verifier"), ("redis",))  # callers first
 
 
@@ -125,13 +131,20 @@ class Stack:
     def __init__(self, run_dir: Path):
         self.run_dir = run_dir
         self.procs: dict[str, subprocess.Popen] = {}
+        self.commands: dict[str, tuple[list[str], dict[str, str]]] = {}  # to restart each the same way
 
     def start(self, name: str, argv: list[str], env: dict[str, str]) -> None:
-        with open(self.run_dir / f"{name}.log", "wb") as log:
+        restart = name in self.commands
+        self.commands[name] = (argv, env)
+        with open(self.run_dir / f"{name}.log", "ab" if restart else "wb") as log:  # a restart appends
             proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log,
                                     stderr=subprocess.STDOUT, preexec_fn=_in_own_group_dying_with_us)
         self.procs[name] = proc
         (self.run_dir / f"{name}.pid").write_text(f"{proc.pid}\n")
+
+    def restart(self, name: str) -> None:
+        _signal_group(self.procs[name], signal.SIGKILL)  # whatever the dead one left in its group
+        self.start(name, *self.commands[name])
 
     def log_tail(self, name: str, lines: int = 30) -> str:
         path = self.run_dir / f"{name}.log"
@@ -244,6 +257,60 @@ def wait_redis(stack: Stack, port: int, timeout_s: float = 20.0) -> None:
         time.sleep(0.1)
 
 
+def is_up(name: str, ports: dict) -> bool:
+    """One quick look: Redis answers PING, a role's gRPC health says SERVING."""
+    if name == "redis":
+        return redis_ping(ports["redis"])
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{ports[name]}") as ch:
+            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=0.5)
+    except grpc.RpcError:
+        return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+class Supervisor:
+    """Restarts what exits once the stack is up, with exponential backoff; gives up on a crash loop."""
+
+    def __init__(self, stack: Stack, ports: dict, first_backoff_s: float = 1.0):
+        self.stack, self.ports, self.first_backoff_s = stack, ports, first_backoff_s
+        self.exits: dict[str, list[float]] = {}  # recent exit times per service
+        self.due: dict[str, float] = {}  # service -> when to start it again
+        self.coming_back: dict[str, float] = {}  # restarted, not serving yet: service -> when it exited
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        for name, proc in self.stack.procs.items():
+            if proc.poll() is not None and name not in self.due:
+                self._exited(name, proc.returncode, now)
+        for name, at in list(self.due.items()):
+            if now >= at:
+                del self.due[name]
+                self.stack.restart(name)
+                print(f"run_stack: {name} restarted (pid {self.stack.procs[name].pid})", flush=True)
+        for name, exited in list(self.coming_back.items()):
+            if name not in self.due and self.stack.procs[name].poll() is None and is_up(name, self.ports):
+                del self.coming_back[name]
+                print(f"run_stack: {name} serving again, {now - exited:.1f} s after it exited", flush=True)
+
+    def _exited(self, name: str, code: int, now: float) -> None:
+        recent = [t for t in self.exits.get(name, []) if now - t < CRASH_LOOP_WINDOW_S] + [now]
+        self.exits[name] = recent
+        log = self.stack.run_dir / f"{name}.log"
+        if len(recent) >= CRASH_LOOP_EXITS:
+            raise StackError(f"{name} exited {len(recent)} times within {CRASH_LOOP_WINDOW_S:.0f} s "
+                             f"(last code {code}): giving up; the end of {log}:\n{self.stack.log_tail(name)}")
+        delay = min(MAX_BACKOFF_S, self.first_backoff_s * 2.0 ** (len(recent) - 1))
+        print(f"run_stack: {name} exited with code {code}; restarting it in {delay:.3g} s "
+              f"(exit {len(recent)} within {CRASH_LOOP_WINDOW_S:.0f} s); the end of {log}:\n"
+              f"{self.stack.log_tail(name, 10)}", flush=True)
+        self.due[name] = now + delay
+        self.coming_back.setdefault(name, now)
+
+
 def _raise_stop(signum, frame):
     raise Stop()
 
@@ -284,9 +351,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"waiting for health checks (up to {timeout:.0f} s; logs in {run_dir})", flush=True)
         wait_healthy(stack, ports, timeout)
         print(banner(f"http://127.0.0.1:{ports['http']}", env), flush=True)
+        supervisor = Supervisor(stack, ports)
         while True:
-            stack.check_alive()
-            time.sleep(1.0)
+            supervisor.tick()
+            time.sleep(0.5)
     except Stop:
         print("\nstopping...", flush=True)
     except StackError as e:

@@ -23,9 +23,16 @@ log = logging.getLogger(__name__)
 
 
 class StepServicer:
-    def __init__(self, worker: StepWorker, codec):
-        self.worker = worker
+    """Registered before the model loads (GrpcServer refuses its RPCs until ready); `bind` gives it
+    the worker."""
+
+    def __init__(self, worker: StepWorker | None, codec):
         self.codec = codec  # services/common/codec.py: DRAFT or VERIFIER
+        if worker is not None:
+            self.bind(worker)
+
+    def bind(self, worker: StepWorker) -> None:
+        self.worker = worker
         # A worker with no model (the n-gram draft) steps on the event loop: its lookup takes less
         # than handing each step to the model thread and back.
         self.inline = not worker.work.runs_model

@@ -17,7 +17,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from services.gateway.auth import Authenticator, Principal
 from services.gateway.errors import ApiError
 
-OPS_PATHS = frozenset({"/health", "/metrics"})
+OPS_PATHS = frozenset({"/health", "/health/live", "/metrics"})
 
 
 class AuthMiddleware:

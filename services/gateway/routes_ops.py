@@ -1,5 +1,5 @@
-"""The original and operational routes: POST /infer, GET /health (open unless --auth-metrics) and
-GET /metrics."""
+"""The original and operational routes: POST /infer, GET /health (readiness) and GET /health/live
+(liveness), both open unless --auth-metrics, and GET /metrics."""
 
 from __future__ import annotations
 
@@ -39,10 +39,18 @@ def add_ops_routes(app: FastAPI, gateway: Gateway, metrics: GatewayMetrics) -> N
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        if await gateway.healthy():
+        """Readiness: 200 while at least one scheduler replica serves, else 503 saying which not."""
+        replicas = await gateway.scheduler.health()
+        if any(replicas.values()):
             return JSONResponse({"status": "ok"})
-        e = ApiError(503, "no scheduler answers its health check", code="scheduler_unavailable")
-        return JSONResponse({"status": "unavailable", **e.body()}, status_code=503)
+        reason = "no scheduler replica is serving (" + ", ".join(f"{a}: not serving" for a in replicas) + ")"
+        e = ApiError(503, reason, code="scheduler_unavailable", retry_after=1.0)
+        return JSONResponse({"status": "unavailable", **e.body()}, status_code=503, headers=e.headers())
+
+    @app.get("/health/live")
+    async def live() -> JSONResponse:
+        """Liveness: the process answers (a gateway waiting for its schedulers is alive, not ready)."""
+        return JSONResponse({"status": "alive"})
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:

@@ -21,9 +21,8 @@ import logging
 import time
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.grpc_server import CHANNEL_OPTIONS
+from services.common.grpc_server import CHANNEL_OPTIONS, check_serving
 from services.common.tracing import inject_metadata
 from services.gateway.errors import ApiError
 from specserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -146,11 +145,12 @@ class SchedulerStream:
 class SchedulerClient:
     """Channels to every scheduler replica; new requests go round-robin."""
 
-    def __init__(self, addrs: list[str]):
+    def __init__(self, addrs: list[str], credentials: grpc.ChannelCredentials | None = None):
         if not addrs:
             raise ValueError("at least one scheduler address is needed")
         self.addrs = list(addrs)
-        self._channels = [grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS) for a in self.addrs]
+        self._channels = [grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS) if credentials is None
+                          else grpc.aio.secure_channel(a, credentials, options=CHANNEL_OPTIONS) for a in self.addrs]
         self._stubs = [scheduler_pb2_grpc.SchedulerServiceStub(c) for c in self._channels]
         self._next = 0
 
@@ -180,16 +180,12 @@ class SchedulerClient:
 
     async def healthy(self, timeout: float = 2.0) -> bool:
         """True when at least one replica answers the grpc.health.v1 check with SERVING."""
-        async def check(channel: grpc.aio.Channel) -> bool:
-            try:
-                reply = await health_pb2_grpc.HealthStub(channel).Check(
-                    health_pb2.HealthCheckRequest(service=""), timeout=timeout)
-            except grpc.aio.AioRpcError:
-                return False
-            return reply.status == health_pb2.HealthCheckResponse.SERVING
+        return any((await self.health(timeout)).values())
 
-        results = await asyncio.gather(*(check(c) for c in self._channels))
-        return any(results)
+    async def health(self, timeout: float = 2.0) -> dict[str, bool]:
+        """Each replica's address and whether it answers its health check with SERVING."""
+        results = await asyncio.gather(*(check_serving(c, timeout) for c in self._channels))
+        return dict(zip(self.addrs, results))
 
     async def close(self) -> None:
         await asyncio.gather(*(c.close() for c in self._channels), return_exceptions=True)

@@ -14,6 +14,8 @@ returns what it committed; its driver emits it (the engine returns it, the servi
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -29,6 +31,14 @@ from services.scheduler.policy import DEFAULT_MAX_DRAFT_LENGTH
 from services.scheduler.priors import Priors
 from services.scheduler.request import Request
 from services.scheduler.workers import Reply, Work, Workers
+
+log = logging.getLogger(__name__)
+
+# A request already streaming waits this long for a verifier replica to return (a restarted
+# verifier re-prefills it from its committed tokens) before it fails; one that has streamed
+# nothing fails at once, so that its caller can try another scheduler.
+HOLD_WITHOUT_VERIFIER_S = 60.0
+HOLD_POLL_S = 0.1  # the pause between steps while every running request is held
 
 
 @dataclass
@@ -198,6 +208,8 @@ class StepCore:
         self.steps += 1
         self.admission.record_step(t2 - t0)
         out = self._commit(batch, budgets, trees, confs, verified, report)
+        if not report.outcomes and any(r.held_since is not None for r in batch):
+            await asyncio.sleep(HOLD_POLL_S)  # no verifier: do not spin until one returns
         if self.controller is not None and report.outcomes:
             shape = StepShape(len(batch), drafted, proposed[0], proposed[1],
                               verified=sum(len(t) for t in trees.values()))
@@ -210,6 +222,18 @@ class StepCore:
         for observer in self.observers:
             observer.on_step(report)
         return out
+
+    def _hold(self, req: Request) -> bool:
+        """Whether a request no verifier could take waits for one (it is streaming, and has not
+        waited HOLD_WITHOUT_VERIFIER_S yet)."""
+        if not req.output_ids:
+            return False
+        now = time.monotonic()
+        if req.held_since is None:
+            req.held_since = now
+            log.warning("no verifier replica for request %s: holding it up to %.0f s", req.req_id,
+                        HOLD_WITHOUT_VERIFIER_S)
+        return now - req.held_since < HOLD_WITHOUT_VERIFIER_S
 
     def _admit(self) -> list[Request]:
         """First come, first served, within max_batch and the KV budget."""
@@ -269,13 +293,14 @@ class StepCore:
         out = []
         for rid in verified.unplaced:
             req = self.by_id.get(rid)
-            if req is not None:
+            if req is not None and not self._hold(req):
                 self.fail(req, "no verifier replica is available", unavailable=True)
                 out.append((req, []))
         for req in batch:
             verdict = verified.results.get(req.req_id)
             if verdict is None or req.finished:
                 continue
+            req.held_since = None
             tree = trees.get(req.req_id) or DraftTree()
             if req.req_id in confs:
                 self.controller.observe_nodes(req.req_id, tree, confs[req.req_id], list(verdict.accepted_nodes))

@@ -19,7 +19,7 @@ import time
 import grpc
 
 from services.common import codec
-from services.common.grpc_server import CHANNEL_OPTIONS
+from services.common.grpc_server import CHANNEL_OPTIONS, check_serving
 from services.common.tracing import RequestSpans
 from services.scheduler.workers import Reply, Work, Workers, collect, work_item
 from specserve.v1 import common_pb2, draft_pb2_grpc, verifier_pb2_grpc
@@ -36,9 +36,10 @@ class WorkerDown(RuntimeError):
 class Replica:
     """One draft or verifier replica: a channel, a step stream, and what each request was sent."""
 
-    def __init__(self, kind: str, address: str):
+    def __init__(self, kind: str, address: str, credentials: grpc.ChannelCredentials | None = None):
         self.kind, self.address = kind, address
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.channel = (grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) if credentials is None
+                        else grpc.aio.secure_channel(address, credentials, options=CHANNEL_OPTIONS))
         stub_cls = draft_pb2_grpc.DraftServiceStub if kind == "draft" else verifier_pb2_grpc.VerifierServiceStub
         self.stub = stub_cls(self.channel)
         self.call = None
@@ -88,11 +89,11 @@ class ReplicaSet:
     """Replicas of one kind; a request sticks to one, new requests go to the least loaded (ties
     taken in turn, so sequential requests spread too)."""
 
-    def __init__(self, kind: str, addresses: list[str]):
+    def __init__(self, kind: str, addresses: list[str], credentials: grpc.ChannelCredentials | None = None):
         if not addresses:
             raise ValueError(f"no {kind} replica address configured")
         self.kind = kind
-        self.replicas = [Replica(kind, a) for a in addresses]
+        self.replicas = [Replica(kind, a, credentials) for a in addresses]
         self.assignment: dict[str, Replica] = {}
         self._turn = 0  # rotates the choice among equally loaded replicas
 
@@ -131,10 +132,11 @@ class RemoteWorkers(Workers):
     """One kind of worker over gRPC: each step sends one message per replica, concurrently.
     `spans`: the scheduler's request spans, whose context a request's first item carries."""
 
-    def __init__(self, kind: str, addresses: list[str], spans: RequestSpans | None = None):
+    def __init__(self, kind: str, addresses: list[str], spans: RequestSpans | None = None,
+                 credentials: grpc.ChannelCredentials | None = None):
         self.kind = kind
         self.codec = codec.DRAFT if kind == "draft" else codec.VERIFIER
-        self.replicas = ReplicaSet(kind, addresses)
+        self.replicas = ReplicaSet(kind, addresses, credentials)
         self.spans = spans
         self.releases: dict[Replica, list[str]] = {}  # to send with each replica's next message
 
@@ -189,6 +191,11 @@ class RemoteWorkers(Workers):
             if asyncio.get_running_loop().time() > deadline:
                 raise RuntimeError(f"no {self.kind} replica answered: {last}")
             await asyncio.sleep(0.5)
+
+    async def serving(self) -> bool:
+        """Whether at least one replica answers its health check with SERVING."""
+        checks = await asyncio.gather(*(check_serving(rep.channel, timeout=2.0) for rep in self.replicas.replicas))
+        return any(checks)
 
     async def close(self) -> None:
         await self.replicas.close()

@@ -34,6 +34,7 @@ class Request:
         self.finish_reason: str | None = None  # "stop" (EOS or stop string), "length", "cancelled", "error"
         self.error = ""  # why it failed (finish_reason "error")
         self.unavailable = False  # failed for want of a worker replica (retryable elsewhere)
+        self.held_since: float | None = None  # when it began to wait for a verifier replica (core.py)
         self.draft_length = draft_length  # the largest k a step may give it
         self.tree_size = tree_size
         self.fixed_k = fixed_k  # None: the adaptive controller chooses its k every step

@@ -18,9 +18,14 @@ from specserve.v1 import common_pb2, scheduler_pb2_grpc
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
-    def __init__(self, loop: SchedulerLoop, info: common_pb2.InfoResponse):
-        self.loop = loop
-        self.info = info
+    """Registered before the scheduler is ready (GrpcServer refuses its RPCs until then); `bind`
+    gives it the loop and the Info it answers."""
+
+    def __init__(self, loop: SchedulerLoop | None = None, info: common_pb2.InfoResponse | None = None):
+        self.loop, self.info = loop, info
+
+    def bind(self, loop: SchedulerLoop, info: common_pb2.InfoResponse) -> None:
+        self.loop, self.info = loop, info
 
     async def Generate(self, request, context: grpc.aio.ServicerContext):
         parent = extract_metadata(context.invocation_metadata())  # the gateway's span, if traced

@@ -9,17 +9,21 @@ it recorded in its run directory may still be running.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
 
 import pytest
+
+from tests.integration.topology import LONG, complete, record, stream_completion
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "run_stack.py"
@@ -227,3 +231,89 @@ def test_container_healthcheck_script(tmp_path):
     finally:
         server.send_signal(signal.SIGTERM)
         assert server.wait(timeout=30) == 0
+
+
+def _load_run_stack():
+    spec = importlib.util.spec_from_file_location("run_stack", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_crash_loop_is_given_up_with_its_log(tmp_path):
+    """The supervisor restarts a service that exits, with doubling delays, and gives up at the
+    CRASH_LOOP_EXITS-th exit within the window, naming it and showing its log."""
+    rs = _load_run_stack()
+    stack = rs.Stack(tmp_path)
+    stack.start("draft", [sys.executable, "-c", "print('boom'); raise SystemExit(3)"], dict(os.environ))
+    supervisor = rs.Supervisor(stack, {"draft": free_ports(1)[0]}, first_backoff_s=0.05)
+    starts, deadline = {stack.procs["draft"].pid}, time.monotonic() + 60
+    with pytest.raises(rs.StackError) as gave_up:
+        while time.monotonic() < deadline:
+            supervisor.tick()
+            starts.add(stack.procs["draft"].pid)
+            time.sleep(0.01)
+    assert len(starts) == rs.CRASH_LOOP_EXITS  # restarted after each exit but the last
+    assert f"draft exited {rs.CRASH_LOOP_EXITS} times" in str(gave_up.value)
+    assert "last code 3" in str(gave_up.value) and "boom" in str(gave_up.value)
+    assert (tmp_path / "draft.log").read_text().count("boom") == rs.CRASH_LOOP_EXITS  # restarts append
+    stack.stop(5)
+
+
+def _serves_again(launcher, base: str, want: str, name: str, timeout: float = 120.0) -> float:
+    """Seconds until the launcher restarted `name`, /health is 200 again and LONG gives `want`."""
+    start = time.monotonic()
+    launcher.wait_for(lambda: f"run_stack: {name} restarted" in launcher.output(), 60, f"{name} restarted")
+    launcher.wait_for(lambda: http_status(f"{base}/health") == 200, timeout, f"/health 200 after {name}")
+    r = complete(base, LONG, {})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, r.text
+    return time.monotonic() - start
+
+
+def http_status(url: str) -> int | None:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError:
+        return None
+
+
+def test_the_launcher_restarts_what_dies_and_serves_on(launcher):
+    """SIGKILL the draft, then the verifier, then the scheduler, each mid-stream (as an OOM killer
+    would): the launcher restarts each; streams through a dead worker finish with the text of an
+    uninterrupted run, a dead scheduler's stream ends with an error event; serving resumes."""
+    launcher.start()
+    base = f"http://127.0.0.1:{launcher.ports['http']}"
+    launcher.wait_for(lambda: "SpecServe is up" in launcher.output(), 300, "healthy stack")
+    r = complete(base, LONG, {})
+    assert r.status_code == 200, r.text
+    want = r.json()["choices"][0]["text"]
+    for name in ("draft", "verifier", "scheduler"):
+        pid = launcher.pids()[name]
+        killed = []
+
+        def kill(_res, pid=pid) -> bool:
+            if not killed:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(time.monotonic())
+            return True
+
+        res = stream_completion(base, LONG, {}, on_event=kill, timeout=120)
+        assert killed and res.done, (name, res)
+        if name == "scheduler":
+            assert res.error is not None and "scheduler" in res.error["message"], res
+            assert want.startswith(res.text)  # what came before the error was right
+        else:
+            assert res.error is None and res.events_after_mark > 0, (name, res)
+            assert res.text == want, name
+        back_s = _serves_again(launcher, base, want, name)
+        record(f"launcher: {name} SIGKILL mid-stream",
+               client_saw="error event, then [DONE]" if name == "scheduler" else "stream went on, same text",
+               longest_stall_s=round(res.max_gap_after_mark, 2), serving_again_s=round(back_s, 1))
+        assert launcher.pids()[name] != pid and alive(launcher.pids()[name])
+    assert f"draft exited with code {-signal.SIGKILL}" in launcher.output()
+    launcher.proc.send_signal(signal.SIGTERM)
+    assert launcher.proc.wait(timeout=90) == 0, launcher.output()
+    assert processes_with(launcher.marker) == []

@@ -25,7 +25,8 @@ async def public_api(fake: FakeScheduler | None = None, *, dead: bool = False, k
         server = GrpcServer("127.0.0.1", 0, [SERVICE_NAME])
         servicer = GenerationServicer(gw)
         add_to_server(servicer, server.server)
-        await server.server.start()
+        await server.start()
+        await server.ready()
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{server.bound_port}") as channel:
                 yield gateway_pb2_grpc.GenerationStub(channel), fake, servicer

@@ -82,8 +82,8 @@ async def running_fake(fake: FakeScheduler | None = None):
     fake = fake or FakeScheduler()
     server = GrpcServer("127.0.0.1", 0, [SCHEDULER_SERVICE])
     scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(fake, server.server)
-    await server.server.start()
-    await server.set_serving(True)
+    await server.start()
+    await server.ready()
     try:
         yield fake, f"127.0.0.1:{server.bound_port}"
     finally:

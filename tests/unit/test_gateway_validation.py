@@ -367,7 +367,8 @@ def test_grpc_input_limits():
             gw.config.deny = DenyPatterns(["w40"])
             server = GrpcServer("127.0.0.1", 0, [SERVICE_NAME])
             add_to_server(GenerationServicer(gw), server.server)
-            await server.server.start()
+            await server.start()
+            await server.ready()
             out = []
             async with grpc.aio.insecure_channel(f"127.0.0.1:{server.bound_port}") as channel:
                 call = channel.unary_unary(f"/{SERVICE_NAME}/Generate")  # raw bytes in and out

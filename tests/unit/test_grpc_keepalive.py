@@ -14,8 +14,8 @@ KEEPALIVE_MS = 500  # the production ratio of options at a short period, so the 
 
 async def _idle_stream_survives(idle_s: float) -> list[int]:
     server = GrpcServer("127.0.0.1", 0, [], keepalive_ms=KEEPALIVE_MS)
-    await server.server.start()
-    await server.set_serving(True)
+    await server.start()
+    await server.ready()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.bound_port}",
                                         options=channel_options(KEEPALIVE_MS))
     try:
