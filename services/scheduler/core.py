@@ -14,7 +14,6 @@ returns what it committed; its driver emits it (the engine returns it, the servi
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections import deque
@@ -38,7 +37,6 @@ log = logging.getLogger(__name__)
 # verifier re-prefills it from its committed tokens) before it fails; one that has streamed
 # nothing fails at once, so that its caller can try another scheduler.
 HOLD_WITHOUT_VERIFIER_S = 60.0
-HOLD_POLL_S = 0.1  # the pause between steps while every running request is held
 
 
 @dataclass
@@ -184,6 +182,10 @@ class StepCore:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def all_held(self) -> bool:
+        """Every running request waits for a verifier replica (a driver pauses between steps)."""
+        return bool(self.running) and all(r.held_since is not None for r in self.running)
+
     # -- the step -------------------------------------------------------------------------------
     async def step(self) -> list[tuple[Request, list[int]]]:
         """One step for every running request: (request, tokens committed) for each that
@@ -208,8 +210,6 @@ class StepCore:
         self.steps += 1
         self.admission.record_step(t2 - t0)
         out = self._commit(batch, budgets, trees, confs, verified, report)
-        if not report.outcomes and any(r.held_since is not None for r in batch):
-            await asyncio.sleep(HOLD_POLL_S)  # no verifier: do not spin until one returns
         if self.controller is not None and report.outcomes:
             shape = StepShape(len(batch), drafted, proposed[0], proposed[1],
                               verified=sum(len(t) for t in trees.values()))

@@ -20,6 +20,8 @@ from services.scheduler.request import Request
 
 log = logging.getLogger(__name__)
 
+HOLD_POLL_S = 0.1  # the pause between steps while every running request waits for a verifier
+
 
 @dataclass
 class Live:
@@ -80,6 +82,8 @@ class SchedulerLoop:
                     live = self.lives.get(req.req_id)
                     if live is not None:
                         self._emit(live, tokens)
+                if self.core.all_held():
+                    await asyncio.sleep(HOLD_POLL_S)  # no verifier: do not spin until one returns
             except Exception:  # never let one bad step kill the loop
                 log.exception("step failed")
                 await asyncio.sleep(0.05)
