@@ -199,40 +199,40 @@ def http_get(url: str, api_key: str | None = None) -> tuple[int | None, bytes]:
         return None, b""
 
 
-def wait_healthy(stack: Stack, ports: dict, timeout_s: float) -> None:
-    """Until every role's grpc.health.v1 Check("") says SERVING and the gateway's /health is 200."""
+def is_up(name: str, ports: dict) -> bool:
+    """One quick look: Redis answers PING, a role's gRPC health says SERVING."""
+    if name == "redis":
+        return redis_ping(ports["redis"])
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{ports[name]}") as ch:
+            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=0.5)
+    except grpc.RpcError:
+        return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def wait_healthy(stack: Stack, ports: dict, timeout_s: float) -> None:
+    """Until every role's grpc.health.v1 Check("") says SERVING and the gateway's /health is 200."""
     roles = [role for role in START_ORDER if role in stack.procs]
     t0, pending = time.monotonic(), [*roles, "gateway HTTP"]
-    # Reconnect every second: gRPC's default backoff grows while a model loads (late to notice it up).
-    backoff = [("grpc.initial_reconnect_backoff_ms", 500), ("grpc.max_reconnect_backoff_ms", 1000)]
-    channels = {role: grpc.insecure_channel(f"127.0.0.1:{ports[role]}", options=backoff) for role in roles}
-    try:
-        while pending:
-            stack.check_alive()
-            for name in list(pending):
-                if name == "gateway HTTP":
-                    ok = http_get(f"http://127.0.0.1:{ports['http']}/health")[0] == 200
-                else:
-                    try:
-                        reply = health_pb2_grpc.HealthStub(channels[name]).Check(
-                            health_pb2.HealthCheckRequest(service=""), timeout=1.0)
-                        ok = reply.status == health_pb2.HealthCheckResponse.SERVING
-                    except grpc.RpcError:
-                        ok = False
-                if ok:
-                    pending.remove(name)
-                    print(f"  {name}: healthy after {time.monotonic() - t0:.1f} s", flush=True)
-            if pending and time.monotonic() - t0 > timeout_s:
-                tails = "\n".join(f"{n}:\n{stack.log_tail(n.split()[0], 15)}" for n in pending)
-                raise StackError(f"not healthy after {timeout_s:.0f} s: {', '.join(pending)} "
-                                 f"(SPECSERVE_STARTUP_TIMEOUT to wait longer)\n{tails}")
-            time.sleep(0.5 if pending else 0)
-    finally:
-        for ch in channels.values():
-            ch.close()
+    while pending:
+        stack.check_alive()
+        for name in list(pending):
+            if name == "gateway HTTP":
+                ok = http_get(f"http://127.0.0.1:{ports['http']}/health")[0] == 200
+            else:
+                ok = is_up(name, ports)
+            if ok:
+                pending.remove(name)
+                print(f"  {name}: healthy after {time.monotonic() - t0:.1f} s", flush=True)
+        if pending and time.monotonic() - t0 > timeout_s:
+            tails = "\n".join(f"{n}:\n{stack.log_tail(n.split()[0], 15)}" for n in pending)
+            raise StackError(f"not healthy after {timeout_s:.0f} s: {', '.join(pending)} "
+                             f"(SPECSERVE_STARTUP_TIMEOUT to wait longer)\n{tails}")
+        time.sleep(0.5 if pending else 0)
 
 
 def banner(base: str, env: dict[str, str]) -> str:
@@ -255,21 +255,6 @@ def wait_redis(stack: Stack, port: int, timeout_s: float = 20.0) -> None:
         if time.monotonic() > deadline:
             raise StackError(f"redis does not answer PING:\n{stack.log_tail('redis')}")
         time.sleep(0.1)
-
-
-def is_up(name: str, ports: dict) -> bool:
-    """One quick look: Redis answers PING, a role's gRPC health says SERVING."""
-    if name == "redis":
-        return redis_ping(ports["redis"])
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    try:
-        with grpc.insecure_channel(f"127.0.0.1:{ports[name]}") as ch:
-            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=0.5)
-    except grpc.RpcError:
-        return False
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
 class Supervisor:

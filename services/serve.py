@@ -10,6 +10,7 @@ from services.common.grpc_server import GrpcServer
 from services.common.metrics import Registry, SchedulerMetrics, WorkerMetrics, cuda_memory
 from services.common.settings import split_addrs
 from services.common.step_servicer import StepServicer
+from services.common.tls import Tls
 from services.common.tracing import setup_tracing
 from services.common.worker import StepWorker, model_thread, on_model_thread
 from specserve.v1 import common_pb2
@@ -40,6 +41,13 @@ async def serve_draft(args) -> None:
     from services.draft.proposer import ProposeWork
     from specserve.v1 import draft_pb2, draft_pb2_grpc
 
+    tls = Tls.from_args(args, "draft")
+    server = GrpcServer(args.host, int(args.port), [draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name],
+                        credentials=tls.server_credentials())
+    tls.watch_sighup()
+    servicer = StepServicer(None, codec.DRAFT)
+    draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server.server)
+    await server.start()  # health NOT_SERVING while the model loads
     # The target's weights are needed only when it drafts for itself; otherwise its tokenizer and
     # configuration suffice (vocabulary check, context length). Loaded on the model thread (worker.py).
     thread = model_thread("draft")
@@ -56,10 +64,9 @@ async def serve_draft(args) -> None:
         CallbackCounter(metrics.registry, "specserve:slimspec_fallbacks",
                         "Switches of the draft from its SlimSpec head to the full head by the quality guard",
                         lambda: (slim_state() or {}).get("fallbacks", 0))
-    worker = StepWorker(_worker_info("draft", target, args.device, proposer.name, proposer.feature_layers), 0,
-                        ProposeWork(proposer), metrics, thread)
-    server = GrpcServer(args.host, int(args.port), [draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name])
-    draft_pb2_grpc.add_DraftServiceServicer_to_server(StepServicer(worker, codec.DRAFT), server.server)
+    servicer.bind(StepWorker(_worker_info("draft", target, args.device, proposer.name, proposer.feature_layers), 0,
+                             ProposeWork(proposer), metrics, thread))
+    await server.ready()
     await server.run(float(args.grace_period))
 
 
@@ -68,14 +75,20 @@ async def serve_verifier(args) -> None:
     from services.verifier.verifier import Verifier, VerifyWork
     from specserve.v1 import verifier_pb2, verifier_pb2_grpc
 
+    tls = Tls.from_args(args, "verifier")
+    server = GrpcServer(args.host, int(args.port),
+                        [verifier_pb2.DESCRIPTOR.services_by_name["VerifierService"].full_name],
+                        credentials=tls.server_credentials())
+    tls.watch_sighup()
+    servicer = StepServicer(None, codec.VERIFIER)
+    verifier_pb2_grpc.add_VerifierServiceServicer_to_server(servicer, server.server)
+    await server.start()  # health NOT_SERVING while the model loads
     thread = model_thread("verifier")  # loads the model too (worker.py: one OpenMP thread team)
     target = await on_model_thread(thread, load_model, args.target, device=args.device, dtype=args.dtype)
     verifier = await on_model_thread(thread, Verifier, target.model)
-    worker = StepWorker(_worker_info("verifier", target, args.device), 1, VerifyWork(verifier),
-                        _worker_metrics("verifier", args), thread)
-    server = GrpcServer(args.host, int(args.port),
-                        [verifier_pb2.DESCRIPTOR.services_by_name["VerifierService"].full_name])
-    verifier_pb2_grpc.add_VerifierServiceServicer_to_server(StepServicer(worker, codec.VERIFIER), server.server)
+    servicer.bind(StepWorker(_worker_info("verifier", target, args.device), 1, VerifyWork(verifier),
+                             _worker_metrics("verifier", args), thread))
+    await server.ready()
     await server.run(float(args.grace_period))
 
 
@@ -97,7 +110,7 @@ def _local_draft(info: common_pb2.InfoResponse):
     return LocalWorkers("draft", worker, contain_errors=True), NgramProposer.name
 
 
-async def _drafts(args, info: common_pb2.InfoResponse, spans):
+async def _drafts(args, info: common_pb2.InfoResponse, spans, credentials=None):
     """The scheduler's draft workers and the proposer's name."""
     from services.scheduler.replicas import RemoteWorkers
 
@@ -106,7 +119,7 @@ async def _drafts(args, info: common_pb2.InfoResponse, spans):
         if len(addrs) > 1:
             raise ValueError(f"--draft-addrs {LOCAL} drafts in the scheduler; it takes no other replica")
         return _local_draft(info)
-    drafts = RemoteWorkers("draft", addrs, spans)
+    drafts = RemoteWorkers("draft", addrs, spans, credentials)
     try:
         draft_info = await drafts.info()
     except RuntimeError:
@@ -138,10 +151,18 @@ async def serve_scheduler(args) -> None:
     from services.scheduler.servicer import SchedulerServicer
     from specserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 
+    tls = Tls.from_args(args, "scheduler")
+    server = GrpcServer(args.host, int(args.port),
+                        [scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"].full_name],
+                        credentials=tls.server_credentials())
+    tls.watch_sighup()
+    servicer = SchedulerServicer()
+    scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(servicer, server.server)
+    await server.start()  # health NOT_SERVING until a verifier answers and the warm-up is done
     spans = RequestSpans("specserve.scheduler")  # the servicer opens each request's span
-    verifiers = RemoteWorkers("verifier", split_addrs(args.verifier_addrs), spans)
+    verifiers = RemoteWorkers("verifier", split_addrs(args.verifier_addrs), spans, tls.channel_credentials())
     info = await verifiers.info()  # the target's facts come from a verifier
-    drafts, draft_name = await _drafts(args, info, spans)
+    drafts, draft_name = await _drafts(args, info, spans, tls.channel_credentials())
     tokenizer = AutoTokenizer.from_pretrained(resolve_checkpoint(args.target))
     eos = set(info.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
     pair = f"{args.target}|{draft_name}"
@@ -160,13 +181,15 @@ async def serve_scheduler(args) -> None:
     sched_info = common_pb2.InfoResponse(model=info.model, vocab_size=info.vocab_size,
                                          max_positions=info.max_positions, eos_token_ids=sorted(eos),
                                          role="scheduler")
-    server = GrpcServer(args.host, int(args.port),
-                        [scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"].full_name])
-    scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(SchedulerServicer(loop, sched_info), server.server)
+    servicer.bind(loop, sched_info)
     task = asyncio.create_task(loop.run())
+    await server.ready()
+    # Without a serving verifier nothing can be generated: a load balancer should go elsewhere.
+    readiness = server.watch(verifiers.serving, "a verifier replica serving")
     try:
         await server.run(float(args.grace_period), on_drain=loop.drain)
     finally:
+        readiness.cancel()
         task.cancel()
         await priors.close()
         await drafts.close()

@@ -156,6 +156,28 @@ def compose_problems(compose: dict, prometheus: dict) -> list[str]:
 # --- deploy/k8s ----------------------------------------------------------------------------------
 
 
+def probe_problems(where: str, role: str, c: dict) -> list[str]:
+    """Readiness asks whether the role can serve, liveness (and startup) only whether it runs: a
+    liveness probe on readiness would restart a scheduler that waits for its verifier."""
+    port = DEFAULT_PORTS[role]
+    if role == "gateway":
+        want = {"readinessProbe": ("httpGet", {"path": "/health", "port": DEFAULT_HTTP_PORT}),
+                "livenessProbe": ("httpGet", {"path": "/health/live", "port": DEFAULT_HTTP_PORT})}
+    else:
+        want = {"readinessProbe": ("grpc", {"port": port}), "livenessProbe": ("grpc", {"port": port, "service": "liveness"})}
+    want["startupProbe"] = want["livenessProbe"]
+    out = []
+    for probe, (kind, fields) in want.items():
+        spec = c.get(probe)
+        if spec is None and probe == "startupProbe":
+            continue
+        got = (spec or {}).get(kind) or {}
+        if set(spec or {}) & ({"httpGet", "tcpSocket", "exec", "grpc"} - {kind}) or \
+                {k: got.get(k) for k in ("path", "port", "service") if k in got or k in fields} != fields:
+            out.append(f"{where}: {probe} must be {kind} {fields}")
+    return out
+
+
 def k8s_problems(docs: dict[str, list], kustomization: dict) -> list[str]:
     out = []
     listed = set(kustomization.get("resources", []))
@@ -204,13 +226,7 @@ def k8s_problems(docs: dict[str, list], kustomization: dict) -> list[str]:
             out.append(f"{where}: container ports {cports} != {wanted}")
         if role in services and services[role][1] != set(wanted.values()):
             out.append(f"{where}: Service ports {sorted(services[role][1])} != {sorted(wanted.values())}")
-        for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
-            spec = c.get(probe)
-            if spec is None and probe == "startupProbe":
-                continue
-            if not spec or set(spec) & {"httpGet", "tcpSocket", "exec"} or \
-                    (spec.get("grpc") or {}).get("port") != DEFAULT_PORTS[role]:
-                out.append(f"{where}: {probe} must be a grpc probe on port {DEFAULT_PORTS[role]}")
+        out += probe_problems(where, role, c)
         env = {}
         for ref in c.get("envFrom", []):
             cm = (ref.get("configMapRef") or {}).get("name")

@@ -104,6 +104,15 @@ OPTIONS: tuple[Option, ...] = (
            "generation requests in flight per gateway (HTTP and gRPC together); beyond, 503 with Retry-After"),
     Option("--default-max-tokens", "SPECSERVE_DEFAULT_MAX_TOKENS", "256", ("gateway",),
            "max_tokens when a request gives none"),
+    Option("--tls-cert", "SPECSERVE_TLS_CERT", None, ROLES,
+           "PEM certificate (chain) served on this role's listeners (gRPC; on the gateway HTTPS too) and "
+           "presented as its client certificate on internal calls; reloaded when it changes or on SIGHUP; "
+           "unset = plain text"),
+    Option("--tls-key", "SPECSERVE_TLS_KEY", None, ROLES, "PEM private key of --tls-cert"),
+    Option("--tls-ca", "SPECSERVE_TLS_CA", None, ROLES,
+           "PEM CA of the internal services: mutual TLS between them (internal listeners require client "
+           "certificates it signed, internal calls verify the server with it); the gateway's public "
+           "listeners never ask for client certificates"),
     Option("--log-level", "SPECSERVE_LOG_LEVEL", "INFO", ROLES, "DEBUG, INFO, WARNING, ERROR"),
     Option("--log-format", "SPECSERVE_LOG_FORMAT", "json", ROLES, "json (one object per line) or text"),
     Option("--grace-period", "SPECSERVE_GRACE_PERIOD", "30", ROLES,

@@ -20,6 +20,7 @@ import uvicorn
 from services.common.grpc_server import GrpcServer
 from services.common.logs import setup_logging
 from services.common.settings import split_addrs
+from services.common.tls import Tls
 from services.gateway.app import create_app
 from services.gateway.auth import Authenticator
 from services.gateway.core import Gateway, GatewayConfig, input_limits, served_model_name
@@ -72,7 +73,7 @@ async def _adopt_scheduler_context(gateway: Gateway) -> None:
         gateway.tokenizer.context_length = info.max_positions
 
 
-def build_gateway(args) -> Gateway:
+def build_gateway(args, tls: Tls | None = None) -> Gateway:
     """The Gateway for the parsed gateway options (loads the target's tokenizer)."""
     name = served_model_name(args.target, getattr(args, "served_model_name", None)
                              or os.environ.get("SPECSERVE_SERVED_MODEL_NAME"))
@@ -84,7 +85,9 @@ def build_gateway(args) -> Gateway:
     if config.default_max_tokens < 1:
         raise ValueError(f"--default-max-tokens must be >= 1, got {config.default_max_tokens}")
     auth, limiter = Authenticator.from_args(args), RateLimiter.from_args(args)  # config errors first
-    return Gateway(config, PromptTokenizer.load(args.target), SchedulerClient(addrs), auth, limiter)
+    tls = Tls.from_args(args, "gateway") if tls is None else tls
+    return Gateway(config, PromptTokenizer.load(args.target), SchedulerClient(addrs, tls.channel_credentials()),
+                   auth, limiter)
 
 
 async def serve_gateway(args) -> None:
@@ -93,17 +96,19 @@ async def serve_gateway(args) -> None:
     default_max_tokens, log_level, log_format, grace_period, redis_url)."""
     setup_logging("gateway", args.log_level, args.log_format)
     grace = float(args.grace_period)
-    gateway = build_gateway(args)
+    tls = Tls.from_args(args, "gateway")
+    gateway = build_gateway(args, tls)
     log.info("authentication: %s; rate limits: %s", gateway.auth.describe(),
              gateway.limiter.describe() if gateway.limiter else "none")
 
-    grpc_server = GrpcServer(args.host, int(args.port), [SERVICE_NAME])
+    grpc_server = GrpcServer(args.host, int(args.port), [SERVICE_NAME], credentials=tls.server_credentials())
+    tls.watch_sighup()
     servicer = GenerationServicer(gateway)
     add_to_server(servicer, grpc_server.server)
     sock = bind_http_socket(args.host, int(args.http_port))
     http = EmbeddedUvicorn(uvicorn.Config(create_app(gateway), log_level="warning", log_config=None,
                                           access_log=False, lifespan="off",
-                                          timeout_graceful_shutdown=max(1, int(grace))))
+                                          timeout_graceful_shutdown=max(1, int(grace)), **tls.uvicorn_options()))
     http_task = asyncio.create_task(_serve_http(http, sock), name="gateway-http")
 
     async def drain() -> None:
@@ -114,6 +119,10 @@ async def serve_gateway(args) -> None:
         finally:
             idle.cancel()
 
+    # gRPC health follows the schedulers (as GET /health does): SERVING while one of them serves.
+    await grpc_server.start()
+    await grpc_server.ready(serving=await gateway.healthy())
+    readiness = grpc_server.watch(gateway.healthy, "a scheduler replica serving")
     grpc_task = asyncio.create_task(grpc_server.run(grace, drain), name="gateway-grpc")
     context_task = asyncio.create_task(_adopt_scheduler_context(gateway))
     log.info("gateway serving %r: HTTP on %s:%s, gRPC on %s, schedulers %s", gateway.model_name,
@@ -129,6 +138,7 @@ async def serve_gateway(args) -> None:
             http.should_exit = True
             await asyncio.wait({http_task})
     finally:
+        readiness.cancel()
         context_task.cancel()
         await gateway.scheduler.close()
         if gateway.limiter is not None:

@@ -260,14 +260,14 @@ def test_a_crash_loop_is_given_up_with_its_log(tmp_path):
     stack.stop(5)
 
 
-def _serves_again(launcher, base: str, want: str, name: str, timeout: float = 120.0) -> float:
-    """Seconds until the launcher restarted `name`, /health is 200 again and LONG gives `want`."""
-    start = time.monotonic()
+def _serves_again(launcher, base: str, want: str, name: str, since: float, timeout: float = 120.0) -> float:
+    """Seconds from `since` until the launcher restarted `name`, /health is 200 again and LONG
+    gives `want`."""
     launcher.wait_for(lambda: f"run_stack: {name} restarted" in launcher.output(), 60, f"{name} restarted")
     launcher.wait_for(lambda: http_status(f"{base}/health") == 200, timeout, f"/health 200 after {name}")
     r = complete(base, LONG, {})
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, r.text
-    return time.monotonic() - start
+    return time.monotonic() - since
 
 
 def http_status(url: str) -> int | None:
@@ -283,7 +283,8 @@ def http_status(url: str) -> int | None:
 def test_the_launcher_restarts_what_dies_and_serves_on(launcher):
     """SIGKILL the draft, then the verifier, then the scheduler, each mid-stream (as an OOM killer
     would): the launcher restarts each; streams through a dead worker finish with the text of an
-    uninterrupted run, a dead scheduler's stream ends with an error event; serving resumes."""
+    uninterrupted run, a dead scheduler's stream ends with an error event; serving resumes. Then
+    Redis: requests are served while it is away, and it is restarted too."""
     launcher.start()
     base = f"http://127.0.0.1:{launcher.ports['http']}"
     launcher.wait_for(lambda: "SpecServe is up" in launcher.output(), 300, "healthy stack")
@@ -308,12 +309,16 @@ def test_the_launcher_restarts_what_dies_and_serves_on(launcher):
         else:
             assert res.error is None and res.events_after_mark > 0, (name, res)
             assert res.text == want, name
-        back_s = _serves_again(launcher, base, want, name)
+        back_s = _serves_again(launcher, base, want, name, since=killed[0])
         record(f"launcher: {name} SIGKILL mid-stream",
                client_saw="error event, then [DONE]" if name == "scheduler" else "stream went on, same text",
-               longest_stall_s=round(res.max_gap_after_mark, 2), serving_again_s=round(back_s, 1))
+               longest_stall_s=round(res.max_gap_after_mark, 2), kill_to_serving_s=round(back_s, 1))
         assert launcher.pids()[name] != pid and alive(launcher.pids()[name])
     assert f"draft exited with code {-signal.SIGKILL}" in launcher.output()
+    os.kill(launcher.pids()["redis"], signal.SIGKILL)  # serving goes on without it (fails open)
+    r = complete(base, LONG, {})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, r.text
+    launcher.wait_for(lambda: "run_stack: redis serving again" in launcher.output(), 30, "redis back")
     launcher.proc.send_signal(signal.SIGTERM)
     assert launcher.proc.wait(timeout=90) == 0, launcher.output()
     assert processes_with(launcher.marker) == []

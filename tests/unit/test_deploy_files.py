@@ -95,10 +95,16 @@ K8S_BREAKS = {
     "no Deployment scheduler": lambda f: f["k8s"]["scheduler.yaml"].pop(0),
     "container ports": lambda f: _k8s(f, "verifier")["containers"][0]["ports"][0].update(containerPort=50099),
     "Service ports": lambda f: _service(f, "draft")["spec"]["ports"][0].update(port=50099),
-    "readinessProbe must be a grpc probe": lambda f: _k8s(f, "draft")["containers"][0].update(
+    "readinessProbe must be grpc {'port': 50052}": lambda f: _k8s(f, "draft")["containers"][0].update(
         readinessProbe={"tcpSocket": {"port": 50052}}),
-    "livenessProbe must be a grpc probe on port 50051": lambda f: _k8s(f, "scheduler")["containers"][0][
-        "livenessProbe"]["grpc"].update(port=50050),
+    "livenessProbe must be grpc {'port': 50051, 'service': 'liveness'}": lambda f: _k8s(f, "scheduler")[
+        "containers"][0]["livenessProbe"]["grpc"].update(port=50050),
+    "k8s verifier: livenessProbe must be": lambda f: _k8s(f, "verifier")["containers"][0]["livenessProbe"][
+        "grpc"].pop("service"),  # liveness on readiness: a restart while it waits
+    "k8s scheduler: readinessProbe must be": lambda f: _k8s(f, "scheduler")["containers"][0]["readinessProbe"][
+        "grpc"].update(service="liveness"),
+    "readinessProbe must be httpGet {'path': '/health', 'port': 8000}": lambda f: _k8s(f, "gateway")[
+        "containers"][0]["readinessProbe"]["httpGet"].update(path="/health/live"),
     "args must be": lambda f: _k8s(f, "gateway")["containers"][0].update(args=["scheduler"]),
     "SPECSERVE_TREE is not defined": lambda f: _env_list_set(_k8s(f, "scheduler")["containers"][0],
                                                              "SPECSERVE_TREE", "6"),
