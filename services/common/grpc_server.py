@@ -56,6 +56,13 @@ def server_options(keepalive_ms: int = KEEPALIVE_MS) -> list[tuple[str, int]]:
 CHANNEL_OPTIONS = channel_options()
 
 
+def channel(address: str, credentials: grpc.ChannelCredentials | None = None) -> grpc.aio.Channel:
+    """An internal client channel: TLS with `credentials` (services/common/tls.py), else plain."""
+    if credentials is None:
+        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    return grpc.aio.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
+
+
 LIVENESS = "liveness"  # the health service a liveness probe asks for
 ALWAYS_OPEN = ("/grpc.health.v1.", "/grpc.reflection.")  # answered before the role is ready
 

@@ -22,7 +22,7 @@ import time
 
 import grpc
 
-from services.common.grpc_server import CHANNEL_OPTIONS, check_serving
+from services.common.grpc_server import channel, check_serving
 from services.common.tracing import inject_metadata
 from services.gateway.errors import ApiError
 from specserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -149,8 +149,7 @@ class SchedulerClient:
         if not addrs:
             raise ValueError("at least one scheduler address is needed")
         self.addrs = list(addrs)
-        self._channels = [grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS) if credentials is None
-                          else grpc.aio.secure_channel(a, credentials, options=CHANNEL_OPTIONS) for a in self.addrs]
+        self._channels = [channel(a, credentials) for a in self.addrs]
         self._stubs = [scheduler_pb2_grpc.SchedulerServiceStub(c) for c in self._channels]
         self._next = 0
 

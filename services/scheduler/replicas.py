@@ -19,7 +19,7 @@ import time
 import grpc
 
 from services.common import codec
-from services.common.grpc_server import CHANNEL_OPTIONS, check_serving
+from services.common.grpc_server import channel, check_serving
 from services.common.tracing import RequestSpans
 from services.scheduler.workers import Reply, Work, Workers, collect, work_item
 from specserve.v1 import common_pb2, draft_pb2_grpc, verifier_pb2_grpc
@@ -38,8 +38,7 @@ class Replica:
 
     def __init__(self, kind: str, address: str, credentials: grpc.ChannelCredentials | None = None):
         self.kind, self.address = kind, address
-        self.channel = (grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) if credentials is None
-                        else grpc.aio.secure_channel(address, credentials, options=CHANNEL_OPTIONS))
+        self.channel = channel(address, credentials)
         stub_cls = draft_pb2_grpc.DraftServiceStub if kind == "draft" else verifier_pb2_grpc.VerifierServiceStub
         self.stub = stub_cls(self.channel)
         self.call = None
