@@ -70,6 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draft nodes per step; equal to --draft-length = a chain "
                         "[SPECSERVE_TREE_SIZE, default: the draft length]")
     g.add_argument("--max-batch", type=int, default=16, help="requests per step")
+    g.add_argument("--max-step-tokens", type=int, default=int(_env("MAX_STEP_TOKENS", "0")),
+                   help="rows one verify forward may take, decode rows first, then prompt chunks (0 = no limit) "
+                        "[SPECSERVE_MAX_STEP_TOKENS, default: 0]")
+    g.add_argument("--target-itl-ms", type=float, default=float(_env("TARGET_ITL_MS", "200")),
+                   help="while requests decode, prompts join in chunks that fit this step time (0 = whole) "
+                        "[SPECSERVE_TARGET_ITL_MS, default: 200]")
     g.add_argument("--chat", action="store_true", help="apply the target's chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt")
 
@@ -129,7 +135,8 @@ def cmd_generate(args) -> int:
     params.validate()
     config = StepConfig(draft_length=args.draft_length, tree_size=tree_size, max_batch=args.max_batch,
                           min_draft_length=args.min_draft_length, max_draft_length=args.max_draft_length,
-                          adjust_interval_ms=args.adjust_interval_ms)
+                          adjust_interval_ms=args.adjust_interval_ms, max_step_tokens=args.max_step_tokens,
+                          target_itl_ms=args.target_itl_ms)
     config.validate()
     prompts = _read_prompts(args)
     t0 = time.perf_counter()

@@ -34,6 +34,18 @@ def _worker_metrics(role: str, args) -> WorkerMetrics:
     return metrics
 
 
+async def _listen(args, role: str, pb2, service: str, add_servicer, servicer) -> tuple[Tls, GrpcServer]:
+    """Serve the role's gRPC service (TLS from its flags, reloaded on SIGHUP), listening at once
+    with health NOT_SERVING until the caller says it is ready."""
+    tls = Tls.from_args(args, role)
+    server = GrpcServer(args.host, int(args.port), [pb2.DESCRIPTOR.services_by_name[service].full_name],
+                        credentials=tls.server_credentials())
+    tls.watch_sighup()
+    add_servicer(servicer, server.server)
+    await server.start()
+    return tls, server
+
+
 async def serve_draft(args) -> None:
     from services.common.loading import load_model
     from services.common.metrics import CallbackCounter
@@ -41,13 +53,9 @@ async def serve_draft(args) -> None:
     from services.draft.proposer import ProposeWork
     from specserve.v1 import draft_pb2, draft_pb2_grpc
 
-    tls = Tls.from_args(args, "draft")
-    server = GrpcServer(args.host, int(args.port), [draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name],
-                        credentials=tls.server_credentials())
-    tls.watch_sighup()
     servicer = StepServicer(None, codec.DRAFT)
-    draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server.server)
-    await server.start()  # health NOT_SERVING while the model loads
+    _, server = await _listen(args, "draft", draft_pb2, "DraftService",
+                              draft_pb2_grpc.add_DraftServiceServicer_to_server, servicer)  # NOT_SERVING: loading
     # The target's weights are needed only when it drafts for itself; otherwise its tokenizer and
     # configuration suffice (vocabulary check, context length). Loaded on the model thread (worker.py).
     thread = model_thread("draft")
@@ -75,14 +83,9 @@ async def serve_verifier(args) -> None:
     from services.verifier.verifier import Verifier, VerifyWork
     from specserve.v1 import verifier_pb2, verifier_pb2_grpc
 
-    tls = Tls.from_args(args, "verifier")
-    server = GrpcServer(args.host, int(args.port),
-                        [verifier_pb2.DESCRIPTOR.services_by_name["VerifierService"].full_name],
-                        credentials=tls.server_credentials())
-    tls.watch_sighup()
     servicer = StepServicer(None, codec.VERIFIER)
-    verifier_pb2_grpc.add_VerifierServiceServicer_to_server(servicer, server.server)
-    await server.start()  # health NOT_SERVING while the model loads
+    _, server = await _listen(args, "verifier", verifier_pb2, "VerifierService",
+                              verifier_pb2_grpc.add_VerifierServiceServicer_to_server, servicer)  # NOT_SERVING: loading
     thread = model_thread("verifier")  # loads the model too (worker.py: one OpenMP thread team)
     target = await on_model_thread(thread, load_model, args.target, device=args.device, dtype=args.dtype)
     verifier = await on_model_thread(thread, Verifier, target.model)
@@ -135,7 +138,8 @@ def _step_config(args):
                       tree_size=int(args.tree_size) if args.tree_size else None, max_batch=int(args.max_batch),
                       min_draft_length=int(args.min_draft_length), max_draft_length=int(args.max_draft_length),
                       adjust_interval_ms=float(args.adjust_interval_ms), rejection_alert=float(args.rejection_alert),
-                      kv_budget_tokens=int(args.kv_budget_tokens), max_waiting=int(args.max_waiting))
+                      kv_budget_tokens=int(args.kv_budget_tokens), max_waiting=int(args.max_waiting),
+                      max_step_tokens=int(args.max_step_tokens), target_itl_ms=float(args.target_itl_ms))
 
 
 async def serve_scheduler(args) -> None:
@@ -151,14 +155,10 @@ async def serve_scheduler(args) -> None:
     from services.scheduler.servicer import SchedulerServicer
     from specserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 
-    tls = Tls.from_args(args, "scheduler")
-    server = GrpcServer(args.host, int(args.port),
-                        [scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"].full_name],
-                        credentials=tls.server_credentials())
-    tls.watch_sighup()
     servicer = SchedulerServicer()
-    scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(servicer, server.server)
-    await server.start()  # health NOT_SERVING until a verifier answers and the warm-up is done
+    # health NOT_SERVING until a verifier answers and the warm-up is done
+    tls, server = await _listen(args, "scheduler", scheduler_pb2, "SchedulerService",
+                                scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server, servicer)
     spans = RequestSpans("specserve.scheduler")  # the servicer opens each request's span
     verifiers = RemoteWorkers("verifier", split_addrs(args.verifier_addrs), spans, tls.channel_credentials())
     info = await verifiers.info()  # the target's facts come from a verifier
@@ -201,7 +201,8 @@ def _watch(metrics: SchedulerMetrics, core) -> None:
     if core.controller is not None:
         metrics.watch_controller(core.controller)
     metrics.watch_admission(core.admission)
-    metrics.watch_queue(lambda: len(core.waiting), lambda: len(core.running))
+    metrics.watch_queue(lambda: len(core.waiting), lambda: len(core.running),
+                        lambda: sum(r.prefilling for r in core.running))
 
 
 async def serve_gateway(args) -> None:

@@ -96,7 +96,7 @@ class DraftCodec:
     @staticmethod
     def step(step_id: int, items: list[WorkItem], release: list[str]) -> draft_pb2.ProposeStep:
         return draft_pb2.ProposeStep(step_id=step_id, release=release, items=[
-            draft_pb2.ProposeItem(draft_length=it.draft_length, tree_size=it.tree_size,
+            draft_pb2.ProposeItem(draft_length=it.draft_length, tree_size=it.tree_size, prefill=it.prefill,
                                   states=[states_to_pb(hs) for hs in it.states], **_common_item(it))
             for it in items])
 
@@ -106,7 +106,7 @@ class DraftCodec:
 
     @staticmethod
     def items(msg: draft_pb2.ProposeStep) -> list[WorkItem]:
-        return [WorkItem(draft_length=pb.draft_length, tree_size=pb.tree_size,
+        return [WorkItem(draft_length=pb.draft_length, tree_size=pb.tree_size, prefill=pb.prefill,
                          states=[states_from_pb(hs) for hs in pb.states], **_item_fields(pb)) for pb in msg.items]
 
     @staticmethod
@@ -124,7 +124,7 @@ class VerifierCodec:
     def step(step_id: int, items: list[WorkItem], release: list[str]) -> verifier_pb2.VerifyStep:
         return verifier_pb2.VerifyStep(step_id=step_id, release=release, items=[
             verifier_pb2.VerifyItem(tree=tree_to_pb(it.tree or DraftTree()), state_layers=it.state_layers,
-                                    **_common_item(it)) for it in items])
+                                    prefill=it.prefill, **_common_item(it)) for it in items])
 
     @staticmethod
     def results(msg: verifier_pb2.VerifyResult) -> list[Verdict | None]:
@@ -133,7 +133,7 @@ class VerifierCodec:
     @staticmethod
     def items(msg: verifier_pb2.VerifyStep) -> list[WorkItem]:
         return [WorkItem(tree=tree_from_pb(pb.tree, MAX_TREE_NODES), state_layers=tuple(pb.state_layers),
-                         **_item_fields(pb)) for pb in msg.items]
+                         prefill=pb.prefill, **_item_fields(pb)) for pb in msg.items]
 
     @staticmethod
     def result(step_id: int, items: list[WorkItem], out: StepOutput) -> verifier_pb2.VerifyResult:

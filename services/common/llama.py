@@ -28,7 +28,8 @@ class Chunk:
         len(tokens) - 1 (slots already cached by earlier forwards of this step, then the new
         tokens). -1 = attends to the prefix (slots before tree_start) only; a plain causal
         chunk is [-1, 0, 1, ...]. Position of a slot = tree_start + its depth in the forest.
-    logits_from: logits are returned for new tokens logits_from .. len(tokens) - 1.
+    logits_from: logits are returned for new tokens logits_from .. len(tokens) - 1 (none when
+        it is len(tokens): a prompt chunk that ends nothing).
     tree_start: first slot of the tree space; None = cache.length (the common case).
     """
 
@@ -202,9 +203,12 @@ class LlamaModel:
                 captured.append(x)
         for ch, (_, n, start, _, _) in zip(chunks, plans):
             ch.cache.length = start + n
-        rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
-        h = F.rms_norm(x[rows], (c.hidden_size,), self.norm, c.rms_norm_eps)
-        logits = self.matmul(h, self.lm_head).float()  # [rows, vocab]
+        if logit_rows:
+            rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
+            h = F.rms_norm(x[rows], (c.hidden_size,), self.norm, c.rms_norm_eps)
+            logits = self.matmul(h, self.lm_head).float()  # [rows, vocab]
+        else:  # prompt chunks only (chunked prefill): the LM head has no row to compute
+            logits = torch.empty(0, c.vocab_size, device=self.device)
         logits = list(logits.split([len(ch.tokens) - ch.logits_from for ch in chunks]))
         if not layers:
             return logits, []

@@ -37,6 +37,7 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 K_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
+CHUNK_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
 class Registry:
@@ -175,6 +176,12 @@ class SchedulerMetrics:
                              buckets=E2E_BUCKETS, registry=r)
         self.waiting = Gauge("specserve:num_requests_waiting", "Requests queued for a batch slot", registry=r)
         self.running = Gauge("specserve:num_requests_running", "Requests in the running batch", registry=r)
+        # Chunked prefill (services/scheduler/budget.py): prompts joining over several steps.
+        self.prefilling = Gauge("specserve:num_requests_prefilling",
+                                "Running requests whose prompt the verifier has not all been sent yet", registry=r)
+        self.prefill_chunk = Histogram("specserve:prefill_chunk_tokens",
+                                       "Prompt tokens of one request sent to the verifier in one step",
+                                       buckets=CHUNK_BUCKETS, registry=r)
         # Admission (services/scheduler/admission.py): KV reservations and refusals.
         self.kv_reserved = Gauge("specserve:kv_cache_reserved_tokens",
                                  "KV tokens reserved by running requests (prompt + max_tokens + one tree each)",
@@ -229,9 +236,15 @@ class SchedulerMetrics:
         self.chosen_k.observe(k)
         self.chosen_tree.observe(tree_size)
 
-    def watch_queue(self, waiting: Callable[[], int], running: Callable[[], int]) -> None:
+    def watch_queue(self, waiting: Callable[[], int], running: Callable[[], int],
+                    prefilling: Callable[[], int] = lambda: 0) -> None:
         self.waiting.set_function(waiting)
         self.running.set_function(running)
+        self.prefilling.set_function(prefilling)
+
+    def record_prefill(self, chunks: list[int]) -> None:
+        for n in chunks:
+            self.prefill_chunk.observe(n)
 
     def record_step(self, drafted: int, accepted: int) -> None:
         """One request's step: `drafted` tree nodes, an accepted path of `accepted` tokens."""

@@ -70,6 +70,12 @@ OPTIONS: tuple[Option, ...] = (
            "(65536 = about 3 GB of fp32 KV for the default target); requests wait for room, first come first served"),
     Option("--max-waiting", "SPECSERVE_MAX_WAITING", "64", ("scheduler",),
            "requests that may wait for a batch slot or KV room; beyond, 429 with Retry-After"),
+    Option("--max-step-tokens", "SPECSERVE_MAX_STEP_TOKENS", "0", ("scheduler",),
+           "rows one verify forward may take (decode and draft-tree rows first, then prompt chunks; at "
+           "least --max-batch); 0 = no row limit"),
+    Option("--target-itl-ms", "SPECSERVE_TARGET_ITL_MS", "200", ("scheduler",),
+           "while requests decode, a step takes the prompt tokens (chunked prefill) its predicted time has room "
+           "for within this inter-token latency; 0 = prompts join whole"),
     Option("--redis-url", "REDIS_URL", None, ("scheduler", "gateway"),
            "Redis for telemetry and rate limits; unset = none (make run starts a local one)"),
     Option("--api-keys", "SPECSERVE_API_KEYS", None, ("gateway",), "comma-separated bearer API keys; unset = open",

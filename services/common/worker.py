@@ -59,6 +59,7 @@ class WorkItem:
     traceparent: str = ""  # the scheduler's span of the request, with its first item to a worker
     state_layers: tuple[int, ...] = ()  # verifier: return the states of these target layers
     states: list[HiddenStates] = field(default_factory=list)  # draft: the target's states since the last item
+    prefill: bool = False  # a prompt chunk short of its end: cache it; verify or propose nothing
 
 
 @dataclass

@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 
 
 from services.common.llama import Chunk, LlamaModel
+from services.common.sequence import Sequence
 from services.common.tree import MAX_TREE_NODES, DraftTree
 from services.draft.proposer import ProposeItem, Proposer
 from services.draft.slim import SlimHead
@@ -112,6 +113,19 @@ class ModelProposer(Proposer):
             if works:
                 logits = model.forward(chunks)  # [len(new), vocab or kept] each
         return trees
+
+    def prefill(self, seqs: list[Sequence]) -> None:
+        """Cache every token of each prompt chunk (no logits: nothing is drafted from it)."""
+        chunks = []
+        for seq in seqs:
+            if seq.cache is None:
+                seq.cache = self.model.new_cache(len(seq.tokens) + 64)
+            seq.scratch = None
+            seq.sync()
+            pending = seq.tokens[len(seq.cached):]
+            chunks.append(Chunk(seq.cache, pending, list(range(-1, len(pending) - 1)), logits_from=len(pending)))
+            seq.cached = list(seq.tokens)
+        self.model.forward(chunks)
 
 
 def _walk(tree: DraftTree, committed: list[int], fed: int) -> list[int]:

@@ -6,7 +6,9 @@ in-process engine (services/scheduler/engine.py) and the scheduler service (loop
 Requests join and leave between steps (continuous batching): the head of the queue starts when a
 batch slot is free and its KV reservation fits (admission.py). Each request's draft length comes
 from its own fixed k or, adaptive, from the controller (controller.py: the latency model and
-acceptance estimates), capped by what it may still emit and by the draft's context. The draft and
+acceptance estimates), capped by what it may still emit and by the draft's context. Under a step
+budget (budget.py) a new prompt joins in chunks after the decode rows (chunked prefill) and
+drafts once all of it is in the verifier; trees are cut to a row limit. The draft and
 the verifier sit behind one interface (workers.py), in this process or over gRPC (replicas.py);
 metrics, spans and the Redis priors watch the step through observers (observers.py). The step
 returns what it committed; its driver emits it (the engine returns it, the service streams it).
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 from services.common.sampling import SamplingParams
 from services.common.tree import MAX_TREE_NODES, DraftTree
 from services.scheduler.admission import DEFAULT_KV_BUDGET_TOKENS, DEFAULT_MAX_WAITING, Admission, reservation
+from services.scheduler.budget import DEFAULT_TARGET_ITL_MS, StepBudget
 from services.scheduler.calibration import WarmUp, warm_up
 from services.scheduler.controller import ControllerConfig, DraftController
 from services.scheduler.latency import StepShape
@@ -29,6 +32,7 @@ from services.scheduler.observers import Outcome, PriorsObserver, StepObserver, 
 from services.scheduler.policy import DEFAULT_MAX_DRAFT_LENGTH
 from services.scheduler.priors import Priors
 from services.scheduler.request import Request
+from services.scheduler.trim import subtree
 from services.scheduler.workers import Reply, Work, Workers
 
 log = logging.getLogger(__name__)
@@ -52,6 +56,10 @@ class StepConfig:
     rejection_alert: float = 0.85
     kv_budget_tokens: int = DEFAULT_KV_BUDGET_TOKENS
     max_waiting: int = DEFAULT_MAX_WAITING
+    # Chunked prefill (budget.py): rows per verify forward at most (0: none), and the step time
+    # prompts may fill while requests decode (0: none). Both 0: every prompt joins whole.
+    max_step_tokens: int = 0
+    target_itl_ms: float = DEFAULT_TARGET_ITL_MS
 
     @property
     def adaptive(self) -> bool:
@@ -71,6 +79,7 @@ class StepConfig:
             raise ValueError(f"tree_size must be in [0, {MAX_TREE_NODES}], got {self.tree_size}")
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+        StepBudget(self.max_step_tokens, self.target_itl_ms).validate(self.max_batch)
 
 
 @dataclass
@@ -99,6 +108,7 @@ class StepCore:
                                   route_rows=target.route_rows)
             self.controller = DraftController(cc, priors=lambda cls: self.priors.priors(cls, cc.max_draft_length))
         self.admission = Admission(config.kv_budget_tokens, config.max_waiting, config.max_batch)
+        self.budget = StepBudget(config.max_step_tokens, config.target_itl_ms)
         self.waiting: deque[Request] = deque()  # mirrors the admission queue
         self.running: list[Request] = []
         self.by_id: dict[str, Request] = {}
@@ -194,34 +204,119 @@ class StepCore:
         if not batch:
             return []
         t0 = time.perf_counter()
-        budgets, decisions = self._plan(batch)
-        trees, drafted, fresh = await self._propose(batch, budgets)
+        decoding, prompts = self._split(batch)
+        budgets, decisions = self._plan(decoding)
+        trees, drafted, fresh = await self._propose(decoding, budgets, prompts)
         proposed = (sum(len(t) for t in trees.values()), max((max(t.depths(), default=0) for t in trees.values()),
                                                              default=0))
-        confs = self._trim(batch, trees, time.perf_counter() - t0)
+        confs = self._trim(decoding, trees, time.perf_counter() - t0)
+        self._fit_trees(decoding, bool(prompts), trees, confs)
+        chunks = self._chunks(decoding, prompts, trees, (time.perf_counter() - t0) * 1e3)
         t1 = time.perf_counter()
         # A request cancelled while the draft worked is not verified: its release is on its way.
         layers = self.drafts.feature_layers if self.drafts is not None else ()
-        verified = await self.verifiers.step(self.steps, [Work(r.req_id, r.tokens, r.params, tree=trees.get(r.req_id),
-                                                               state_layers=layers)
-                                                          for r in batch if not r.finished])
+        works = [Work(r.req_id, r.tokens, r.params, tree=trees.get(r.req_id), state_layers=layers)
+                 for r in decoding if not r.finished]
+        works += [Work(r.req_id, r.tokens[: r.prefilled + n], r.params, state_layers=layers,
+                       prefill=r.prefilled + n < len(r.prompt_ids)) for r, n in chunks]
+        verified = await self.verifiers.step(self.steps, works)
         t2 = time.perf_counter()
-        report = StepReport(self.steps, len(batch), t0, t1, t2, decisions=decisions)
+        report = StepReport(self.steps, len(batch), t0, t1, t2, decisions=decisions, chunks=[n for _, n in chunks])
         self.steps += 1
         self.admission.record_step(t2 - t0)
-        out = self._commit(batch, budgets, trees, confs, verified, report)
+        joined = self._advance(chunks, verified)
+        out = self._commit(decoding + joined, budgets, trees, confs, verified, report)
+        if verified.results:  # a step no verifier took times nothing
+            self._observe_rows(report.verify_ms, decoding, trees, chunks, verified.fresh)
         if self.controller is not None and report.outcomes:
-            shape = StepShape(len(batch), drafted, proposed[0], proposed[1],
+            shape = StepShape(len(decoding), drafted, proposed[0], proposed[1],
                               verified=sum(len(t) for t in trees.values()))
             self.controller.observe(shape, report.draft_ms, report.verify_ms,
                                     {o.req.req_id: (o.depth, o.accepted, o.output) for o in report.outcomes},
-                                    prefill=bool(verified.fresh or fresh))
+                                    prefill=bool(verified.fresh or fresh or chunks))
         for o in report.outcomes:  # after the controller learnt from their last step
             if o.req.finished:
                 self.retire(o.req)
         for observer in self.observers:
             observer.on_step(report)
         return out
+
+    # -- chunked prefill (budget.py) --------------------------------------------------------------
+    def _split(self, batch: list[Request]) -> tuple[list[Request], list[Request]]:
+        """(the requests that decode this step, those whose prompt joins in chunks). When nothing
+        limits the step's rows, every prompt joins whole and drafts at once."""
+        prompts = [r for r in batch if r.prefilling]
+        decoding = [r for r in batch if not r.prefilling]
+        if prompts and not self.budget.limited(len(decoding)):
+            for r in prompts:
+                r.prefilled = len(r.prompt_ids)
+            return batch, []
+        return decoding, prompts
+
+    def _fit_trees(self, decoding: list[Request], prompts_wait: bool, trees: dict[str, DraftTree],
+                   confs: dict[str, list[float]]) -> None:
+        """Cut the trees (in place) to the deepest level whose nodes fit the row limit: a tree cut at
+        a depth is the tree that depth would have drafted, so no draft is biased."""
+        room = self.budget.tree_rows(len(decoding), prompts_wait)
+        if room is None or sum(len(t) for t in trees.values()) <= room:
+            return
+        counts = [0] * (1 + max(max(t.depths(), default=0) for t in trees.values()))
+        for t in trees.values():
+            for d in t.depths():
+                counts[d] += 1
+        depth = 0
+        while depth + 1 < len(counts) and sum(counts[: depth + 2]) <= room:
+            depth += 1
+        for rid, t in trees.items():
+            keep = [i for i, d in enumerate(t.depths()) if d <= depth]
+            if len(keep) < len(t):
+                trees[rid] = subtree(t, keep)
+                if rid in confs:
+                    confs[rid] = [confs[rid][i] for i in keep]
+
+    def _chunks(self, decoding: list[Request], prompts: list[Request], trees: dict[str, DraftTree],
+                spent_ms: float) -> list[tuple[Request, int]]:
+        """(request, prompt tokens to send this step), first come first served, within the budget
+        the decode rows leave."""
+        rows = sum(1 + len(trees.get(r.req_id, ())) for r in decoding)
+        left = self.budget.prompt_rows(rows, len(decoding), spent_ms, waiting=len(prompts))
+        out = []
+        for r in prompts:
+            if r.finished:  # cancelled while the draft worked
+                continue
+            n = len(r.prompt_ids) - r.prefilled
+            if left is not None:
+                n, left = min(n, left), left - min(n, left)
+            if n <= 0:
+                break
+            out.append((r, n))
+        return out
+
+    def _observe_rows(self, verify_ms: float, decoding: list[Request], trees: dict[str, DraftTree],
+                      chunks: list[tuple[Request, int]], fresh: set[str]) -> None:
+        """Teach the budget the step's verify time: its decode rows, and its prompt rows (the
+        chunks, and the whole tokens of a request sent from its start)."""
+        rebuilt = [r for r in decoding if r.req_id in fresh]
+        decode_rows = sum(1 + len(trees.get(r.req_id, ())) for r in decoding if r.req_id not in fresh)
+        self.budget.observe(verify_ms, decode_rows + sum(len(trees.get(r.req_id, ())) for r in rebuilt),
+                            sum(n for _, n in chunks) + sum(len(r.tokens) for r in rebuilt))
+
+    def _advance(self, chunks: list[tuple[Request, int]], verified: Reply) -> list[Request]:
+        """Count the chunks the verifier took (one it did not take resends from the start); the
+        requests whose prompt is now all sent, whose verdict commits their first tokens."""
+        joined = []
+        for r, n in chunks:
+            verdict = verified.results.get(r.req_id)
+            if verdict is None:
+                r.prefilled = 0
+                continue
+            r.prefilled += n
+            if r.prefilling:
+                if verdict.states is not None:
+                    r.states.append(verdict.states)
+            else:
+                joined.append(r)
+        return joined
 
     def _hold(self, req: Request) -> bool:
         """Whether a request no verifier could take waits for one (it is streaming, and has not
@@ -262,16 +357,24 @@ class StepCore:
                 decisions.append(out[rid])
         return out, decisions
 
-    async def _propose(self, batch: list[Request], budgets: dict[str, tuple[int, int]]
+    async def _propose(self, batch: list[Request], budgets: dict[str, tuple[int, int]], prompts: list[Request]
                        ) -> tuple[dict[str, DraftTree], int, set[str]]:
         """The trees of the requests that draft this step, how many the draft was sent, and
-        which of them it received from their first token (a prefill)."""
+        which of them it received from their first token (a prefill). The draft also takes the
+        prompt chunks the verifier took last step (chunked prefill)."""
         works = [Work(r.req_id, r.tokens, r.params, *budgets[r.req_id], states=r.take_states())
                  for r in batch if budgets[r.req_id][0] > 0]
-        if not works:
+        chunks = [r for r in prompts if r.prefilled > r.draft_prefilled] if self.drafts is not None else []
+        if not works and not chunks:
             return {}, 0, set()
-        reply = await self.drafts.step(self.steps, works)
-        return dict(reply.results), len(works) - len(reply.unplaced), reply.fresh
+        reply = await self.drafts.step(self.steps, works + [Work(r.req_id, r.tokens[: r.prefilled], r.params,
+                                                                 prefill=True) for r in chunks])
+        for r in chunks:
+            if r.req_id in reply.results:
+                r.draft_prefilled = r.prefilled
+        drafting = {w.req_id for w in works}
+        trees = {rid: t for rid, t in reply.results.items() if rid in drafting}
+        return trees, len(works) - len(drafting.intersection(reply.unplaced)), reply.fresh
 
     def _trim(self, batch: list[Request], trees: dict[str, DraftTree], spent_s: float) -> dict[str, list[float]]:
         """Cut the adaptive requests' trees to the nodes worth verifying (in place); their
@@ -307,7 +410,7 @@ class StepCore:
             if verdict.states is not None:
                 req.states.append(verdict.states)
             committed = req.commit(list(verdict.tokens), len(tree), len(verdict.accepted_nodes))
-            report.outcomes.append(Outcome(req, budgets[req.req_id][0], tree, len(verdict.accepted_nodes),
+            report.outcomes.append(Outcome(req, budgets.get(req.req_id, (0, 0))[0], tree, len(verdict.accepted_nodes),
                                            len(verdict.tokens), committed))
             out.append((req, committed))
         return out

@@ -41,6 +41,7 @@ class StepReport:
     verified: float
     outcomes: list[Outcome] = field(default_factory=list)
     decisions: list[tuple[int, int]] = field(default_factory=list)  # adaptive (k, tree budget) chosen
+    chunks: list[int] = field(default_factory=list)  # prompt tokens sent per prefilling request (chunked prefill)
 
     @property
     def draft_ms(self) -> float:
@@ -79,6 +80,7 @@ class MetricsObserver(StepObserver):
         self.metrics.record_phases(report.draft_ms / 1e3, report.verify_ms / 1e3)
         for k, tree_size in report.decisions:
             self.metrics.record_choice(k, tree_size)
+        self.metrics.record_prefill(report.chunks)
         for o in report.outcomes:
             self.metrics.record_step(len(o.tree), o.accepted)
 

@@ -42,6 +42,11 @@ class Request:
         self.eos_token_ids = () if params.ignore_eos else eos_token_ids
         self.detok = Detokenizer(tokenizer, params.stop)
         self.stats = RequestStats()
+        # Chunked prefill (core.py): the prompt tokens the verifier has been sent so far; the
+        # request drafts and decodes once all are (the step sets it to the whole prompt at once
+        # when nothing limits its rows).
+        self.prefilled = 0
+        self.draft_prefilled = 0  # of those, the draft has been sent (a chunk behind the verifier)
         # The target's states the verifier returned since the draft was last sent them (a
         # feature-level draft reads them; empty for the others).
         self.states: list[HiddenStates] = []
@@ -53,6 +58,10 @@ class Request:
     @property
     def tokens(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def prefilling(self) -> bool:
+        return self.prefilled < len(self.prompt_ids)
 
     @property
     def finished(self) -> bool:

@@ -33,6 +33,7 @@ class Work:
     tree: DraftTree | None = None  # the tree to verify
     state_layers: tuple[int, ...] = ()  # verifier: return the states of these layers
     states: list[HiddenStates] = field(default_factory=list)  # draft: the target's states since last sent
+    prefill: bool = False  # `tokens` is a prompt's prefix, to cache without verifying or proposing
 
 
 @dataclass
@@ -69,7 +70,7 @@ class Workers(ABC):
 def work_item(w: Work, offset: int, traceparent: str = "") -> WorkItem:
     """The item for a worker that has the first `offset` committed tokens of the request."""
     return WorkItem(w.req_id, offset, w.tokens[offset:], w.params if offset == 0 else None,
-                    w.draft_length, w.tree_size, w.tree, traceparent, w.state_layers, w.states)
+                    w.draft_length, w.tree_size, w.tree, traceparent, w.state_layers, w.states, w.prefill)
 
 
 def collect(reply: Reply, sent: dict[str, int], works: list[Work], items: list[WorkItem], results: list) -> None:

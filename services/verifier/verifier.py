@@ -24,6 +24,7 @@ class VerifyItem:
     seq: Sequence  # the request: committed tokens, parameters, random stream, KV cache
     tree: DraftTree
     state_layers: tuple[int, ...] = ()  # return the states of these layers for the committed positions
+    prefill: bool = False  # a prompt chunk short of its end: cache it, verify nothing
 
 
 class Verifier:
@@ -35,6 +36,8 @@ class Verifier:
         """One target forward over the pending tokens and tree nodes of every item."""
         for it in items:
             it.tree.validate(self.vocab_size)
+            if it.prefill and len(it.tree):
+                raise ValueError(f"request {it.seq.req_id!r}: a prefill chunk carries no draft tree")
             bad = [n for n in it.state_layers if not 0 <= n < self.model.config.num_layers]
             if bad:
                 raise ValueError(f"state_layers {bad} outside the target's {self.model.config.num_layers} layers")
@@ -45,14 +48,17 @@ class Verifier:
                 seq.cache = self.model.new_cache(len(seq.tokens) + len(it.tree) + CACHE_HEADROOM)
             seq.sync()  # a request rebuilt from its committed tokens recomputes from the common prefix
             pending = seq.tokens[len(seq.cached):]  # at least the last committed token (the root)
-            chunks.append(Chunk(seq.cache, pending + it.tree.tokens,
-                                forest_parents(len(pending), it.tree), logits_from=len(pending) - 1))
+            # A prompt chunk short of its end (chunked prefill) needs no logits: nothing is verified.
+            chunks.append(Chunk(seq.cache, pending + it.tree.tokens, forest_parents(len(pending), it.tree),
+                                logits_from=len(pending) if it.prefill else len(pending) - 1))
         layers = next((it.state_layers for it in items if it.state_layers), ())
         all_logits, all_states = self.model.forward_states(chunks, layers)  # logits [len(tree) + 1, vocab]
         verdicts = []
         for i, (it, logits) in enumerate(zip(items, all_logits)):
             p = it.seq.params
-            if p.greedy:
+            if it.prefill:
+                verdict = Verdict([], [], False)
+            elif p.greedy:
                 verdict = accept_greedy(it.tree, logits)
             else:
                 verdict = accept_sampling(it.tree, warp_probs(logits, p.temperature, p.top_k, p.top_p),
@@ -82,7 +88,7 @@ class VerifyWork(StepWork):
 
     def run(self, work: list[tuple[Sequence, WorkItem]]) -> list[Verdict]:
         return self.verifier.verify([VerifyItem(seq, it.tree if it.tree is not None else DraftTree(),
-                                                it.state_layers) for seq, it in work])
+                                                it.state_layers, it.prefill) for seq, it in work])
 
     def tokens(self, work, results) -> int:
         return sum(len(it.tree or ()) + 1 for _, it in work)

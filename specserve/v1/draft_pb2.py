@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specserve.v1 import common_pb2 as specserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specserve/v1/draft.proto\x12\x0cspecserve.v1\x1a\x19specserve/v1/common.proto\"\xd9\x01\n\x0bProposeItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x05\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12\x14\n\x0c\x64raft_length\x18\x04 \x01(\x05\x12\x11\n\ttree_size\x18\x05 \x01(\x05\x12,\n\x06params\x18\x06 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12\x13\n\x0btraceparent\x18\x07 \x01(\t\x12*\n\x06states\x18\x08 \x03(\x0b\x32\x1a.specserve.v1.HiddenStates\"Y\n\x0bProposeStep\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12(\n\x05items\x18\x02 \x03(\x0b\x32\x19.specserve.v1.ProposeItem\x12\x0f\n\x07release\x18\x03 \x03(\t\"Z\n\x08Proposal\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x04tree\x18\x02 \x01(\x0b\x32\x17.specserve.v1.DraftTree\x12\x13\n\x0bneed_resync\x18\x03 \x01(\x08\"u\n\rProposeResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12)\n\tproposals\x18\x02 \x03(\x0b\x32\x16.specserve.v1.Proposal\x12(\n\x06timing\x18\x03 \x01(\x0b\x32\x18.specserve.v1.StepTiming2\xd6\x01\n\x0c\x44raftService\x12\x45\n\x07Propose\x12\x19.specserve.v1.ProposeStep\x1a\x1b.specserve.v1.ProposeResult(\x01\x30\x01\x12=\n\x04Info\x12\x19.specserve.v1.InfoRequest\x1a\x1a.specserve.v1.InfoResponse\x12@\n\x05State\x12\x1a.specserve.v1.StateRequest\x1a\x1b.specserve.v1.StateResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specserve/v1/draft.proto\x12\x0cspecserve.v1\x1a\x19specserve/v1/common.proto\"\xea\x01\n\x0bProposeItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x05\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12\x14\n\x0c\x64raft_length\x18\x04 \x01(\x05\x12\x11\n\ttree_size\x18\x05 \x01(\x05\x12,\n\x06params\x18\x06 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12\x13\n\x0btraceparent\x18\x07 \x01(\t\x12*\n\x06states\x18\x08 \x03(\x0b\x32\x1a.specserve.v1.HiddenStates\x12\x0f\n\x07prefill\x18\t \x01(\x08\"Y\n\x0bProposeStep\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12(\n\x05items\x18\x02 \x03(\x0b\x32\x19.specserve.v1.ProposeItem\x12\x0f\n\x07release\x18\x03 \x03(\t\"Z\n\x08Proposal\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x04tree\x18\x02 \x01(\x0b\x32\x17.specserve.v1.DraftTree\x12\x13\n\x0bneed_resync\x18\x03 \x01(\x08\"u\n\rProposeResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12)\n\tproposals\x18\x02 \x03(\x0b\x32\x16.specserve.v1.Proposal\x12(\n\x06timing\x18\x03 \x01(\x0b\x32\x18.specserve.v1.StepTiming2\xd6\x01\n\x0c\x44raftService\x12\x45\n\x07Propose\x12\x19.specserve.v1.ProposeStep\x1a\x1b.specserve.v1.ProposeResult(\x01\x30\x01\x12=\n\x04Info\x12\x19.specserve.v1.InfoRequest\x1a\x1a.specserve.v1.InfoResponse\x12@\n\x05State\x12\x1a.specserve.v1.StateRequest\x1a\x1b.specserve.v1.StateResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,13 +33,13 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specserve.v1.draft_pb2', _g
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PROPOSEITEM']._serialized_start=70
-  _globals['_PROPOSEITEM']._serialized_end=287
-  _globals['_PROPOSESTEP']._serialized_start=289
-  _globals['_PROPOSESTEP']._serialized_end=378
-  _globals['_PROPOSAL']._serialized_start=380
-  _globals['_PROPOSAL']._serialized_end=470
-  _globals['_PROPOSERESULT']._serialized_start=472
-  _globals['_PROPOSERESULT']._serialized_end=589
-  _globals['_DRAFTSERVICE']._serialized_start=592
-  _globals['_DRAFTSERVICE']._serialized_end=806
+  _globals['_PROPOSEITEM']._serialized_end=304
+  _globals['_PROPOSESTEP']._serialized_start=306
+  _globals['_PROPOSESTEP']._serialized_end=395
+  _globals['_PROPOSAL']._serialized_start=397
+  _globals['_PROPOSAL']._serialized_end=487
+  _globals['_PROPOSERESULT']._serialized_start=489
+  _globals['_PROPOSERESULT']._serialized_end=606
+  _globals['_DRAFTSERVICE']._serialized_start=609
+  _globals['_DRAFTSERVICE']._serialized_end=823
 # @@protoc_insertion_point(module_scope)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ProposeItem(_message.Message):
-    __slots__ = ("request_id", "offset", "tokens", "draft_length", "tree_size", "params", "traceparent", "states")
+    __slots__ = ("request_id", "offset", "tokens", "draft_length", "tree_size", "params", "traceparent", "states", "prefill")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class ProposeItem(_message.Message):
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     STATES_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     offset: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -25,7 +26,8 @@ class ProposeItem(_message.Message):
     params: _common_pb2.SamplingParams
     traceparent: str
     states: _containers.RepeatedCompositeFieldContainer[_common_pb2.HiddenStates]
-    def __init__(self, request_id: _Optional[str] = ..., offset: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., draft_length: _Optional[int] = ..., tree_size: _Optional[int] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., traceparent: _Optional[str] = ..., states: _Optional[_Iterable[_Union[_common_pb2.HiddenStates, _Mapping]]] = ...) -> None: ...
+    prefill: bool
+    def __init__(self, request_id: _Optional[str] = ..., offset: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., draft_length: _Optional[int] = ..., tree_size: _Optional[int] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., traceparent: _Optional[str] = ..., states: _Optional[_Iterable[_Union[_common_pb2.HiddenStates, _Mapping]]] = ..., prefill: _Optional[bool] = ...) -> None: ...
 
 class ProposeStep(_message.Message):
     __slots__ = ("step_id", "items", "release")

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class VerifyItem(_message.Message):
-    __slots__ = ("request_id", "offset", "tokens", "tree", "params", "traceparent", "state_layers")
+    __slots__ = ("request_id", "offset", "tokens", "tree", "params", "traceparent", "state_layers", "prefill")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class VerifyItem(_message.Message):
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     STATE_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     offset: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -23,7 +24,8 @@ class VerifyItem(_message.Message):
     params: _common_pb2.SamplingParams
     traceparent: str
     state_layers: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., offset: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., tree: _Optional[_Union[_common_pb2.DraftTree, _Mapping]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., traceparent: _Optional[str] = ..., state_layers: _Optional[_Iterable[int]] = ...) -> None: ...
+    prefill: bool
+    def __init__(self, request_id: _Optional[str] = ..., offset: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., tree: _Optional[_Union[_common_pb2.DraftTree, _Mapping]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., traceparent: _Optional[str] = ..., state_layers: _Optional[_Iterable[int]] = ..., prefill: _Optional[bool] = ...) -> None: ...
 
 class VerifyStep(_message.Message):
     __slots__ = ("step_id", "items", "release")

@@ -39,7 +39,12 @@ CONFIGS = {
     "head-tree": ("head", "head", 3, 6, GREEDY),
     "head-tree-sampled": ("head", "head", 3, 5, SAMPLED),
     "head-adaptive": ("head-adaptive", "head", "adaptive", None, GREEDY),
+    # chunked prefill (4 rows a step): prompt chunks, then trees cut to the budget
+    "model-tree-chunked": ("model-chunked", "model", 3, 5, GREEDY),
+    "model-tree-sampled-chunked": ("model-chunked", "model", 3, 5, SAMPLED),
+    "head-tree-chunked": ("head-chunked", "head", 3, 5, GREEDY),
 }
+CHUNKED = dict(max_batch=4, max_step_tokens=4)
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +63,14 @@ def schedulers(tmp_path_factory, home, stack):
         st.wait_healthy(head)
         fixed_head = st.start("scheduler", *common, "--draft-addrs", head.addr)
         adaptive_head = st.start("scheduler", *common, "--draft-addrs", head.addr, "--draft-length", "adaptive")
-        for svc in (adaptive, ngram, fixed_head, adaptive_head):
+        chunk = ["--max-batch", str(CHUNKED["max_batch"]), "--max-step-tokens", str(CHUNKED["max_step_tokens"])]
+        chunked = st.start("scheduler", *common, "--draft-addrs", stack.draft_addr, *chunk)
+        chunked_head = st.start("scheduler", *common, "--draft-addrs", head.addr, *chunk)
+        for svc in (adaptive, ngram, fixed_head, adaptive_head, chunked, chunked_head):
             st.wait_healthy(svc)
         yield {"model": stack.scheduler_addr, "model-adaptive": adaptive.addr, "ngram": ngram.addr,
-               "head": fixed_head.addr, "head-adaptive": adaptive_head.addr, "head-dir": root / "head"}
+               "head": fixed_head.addr, "head-adaptive": adaptive_head.addr, "model-chunked": chunked.addr,
+               "head-chunked": chunked_head.addr, "head-dir": root / "head"}
     finally:
         st.stop_all()
 
@@ -77,7 +86,8 @@ def test_services_and_engine_give_the_same_tokens(stack, schedulers, draft_model
     target = stack.engine.target
     proposer = {"model": lambda: ModelProposer(draft_model, target.config.vocab_size), "ngram": NgramProposer,
                 "head": lambda: build_head_proposer(str(schedulers["head-dir"]), target)}[draft]()
-    engine = Engine(target, proposer if k != 0 else None, StepConfig(draft_length=k, tree_size=tree_size))
+    chunked = CHUNKED if scheduler.endswith("-chunked") else {}
+    engine = Engine(target, proposer if k != 0 else None, StepConfig(draft_length=k, tree_size=tree_size, **chunked))
     fixed = {} if k == "adaptive" else {"draft_length": k, **({"tree_size": tree_size} if tree_size else {})}
     drafted = 0
     for i, prompt in enumerate(PROMPTS):

@@ -73,8 +73,10 @@ def make_proposer(models, kind):
 
 def run_engine(models, proposer_kind, k, tree_size, params) -> np.ndarray:
     target = models["target"]
-    proposer = make_proposer(models, proposer_kind)
-    engine = Engine(target, proposer, StepConfig(draft_length=k, tree_size=tree_size, max_batch=1000))
+    chunked = proposer_kind.endswith("-chunked")  # prompts join in chunks of a 1003-row step budget
+    proposer = make_proposer(models, proposer_kind.removesuffix("-chunked"))
+    engine = Engine(target, proposer, StepConfig(draft_length=k, tree_size=tree_size, max_batch=1000,
+                                                 max_step_tokens=1003 if chunked else 0))
     return sample_joint(engine, params)
 
 
@@ -119,6 +121,8 @@ CASES = [
     ("head", 2, None, SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)),
     ("head", 2, 5, SamplingParams(max_tokens=3, temperature=0.8, top_k=5, top_p=0.9, ignore_eos=True)),
     ("head-slim", 2, 4, SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)),
+    # chunked prefill: chunk boundaries anywhere in the prompt, trees cut to the step's budget
+    ("head-chunked", 2, 4, SamplingParams(max_tokens=3, temperature=0.8, top_k=5, top_p=0.9, ignore_eos=True)),
 ]
 
 
@@ -147,7 +151,9 @@ def test_slim_proposals_stay_in_the_kept_ids(models):
 def test_the_guard_exercised_both_heads(models):
     params = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)
     proposer = make_proposer(models, "close-slim-guard")
-    engine = Engine(models["target"], proposer, StepConfig(draft_length=2, max_batch=50))
+    # Whole prompts: a request joining in chunks does not draft its first step, and with 3 tokens
+    # each the guard would see too few drafts to calibrate both heads.
+    engine = Engine(models["target"], proposer, StepConfig(draft_length=2, max_batch=50, target_itl_ms=0))
     for s in range(400):
         engine.add_request(PROMPT, SamplingParams(**{**params.__dict__, "seed": s}))
     while engine.has_work():

@@ -1,0 +1,185 @@
+"""Chunked prefill (services/scheduler/budget.py, core.py): prompts join over several steps within
+a per-step token budget, and the tokens are exactly those of whole-prompt prefill."""
+
+import math
+
+import pytest
+import torch
+
+from services.common.loading import load_model
+from services.common.sampling import SamplingParams
+from services.common.sequence import Sequences
+from services.common.tree import DraftTree
+from services.draft.model_proposer import ModelProposer
+from services.draft.ngram import NgramProposer
+from services.scheduler.budget import MIN_CHUNK, StepBudget
+from services.scheduler.core import StepConfig
+from services.scheduler.engine import Engine
+from services.verifier.verifier import Verifier, VerifyItem
+from tests import tiny
+
+WHOLE = dict(max_step_tokens=0, target_itl_ms=0)  # every prompt joins whole
+
+
+@pytest.fixture(scope="module")
+def models(tiny_target, tiny_draft):
+    return load_model(str(tiny_target)), load_model(str(tiny_draft))
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    gen = torch.Generator().manual_seed(11)
+    out = [torch.randint(3, 64, (n,), generator=gen).tolist() for n in (23, 5, 41, 12, 30)]
+    out.append([5, 6, 7, 8] * 6)  # repetitive: the n-gram drafts from its prompt
+    return out
+
+
+def rows_per_forward(engine: Engine) -> list[int]:
+    """Record the rows of every verify forward the engine runs."""
+    rows, model = [], engine.verifier.model
+    original = model.forward_states
+
+    def spy(chunks, layers):
+        rows.append(sum(len(ch.tokens) for ch in chunks))
+        return original(chunks, layers)
+
+    model.forward_states = spy
+    return rows
+
+
+def proposer(kind, models):
+    target, draft = models
+    return {"none": lambda: None, "ngram": NgramProposer,
+            "model": lambda: ModelProposer(draft.model, target.config.vocab_size),
+            "head": lambda: tiny.head_proposer(target, tiny.make_head(target, seed=3))}[kind]()
+
+
+def run(models, kind, prompts, params, **config):
+    engine = Engine(models[0], proposer(kind, models), StepConfig(**{"draft_length": 3, "max_batch": 3, **config}),
+                    warm_up=False)
+    rows = rows_per_forward(engine)
+    reqs = engine.generate(prompts, params)
+    assert not engine.held_requests()
+    return reqs, rows
+
+
+@pytest.mark.parametrize("kind,budget,tree_size", [("none", 3, None), ("ngram", 7, 8), ("model", 4, None),
+                                                   ("model", 13, 6), ("head", 5, 5)])
+def test_chunked_and_whole_prefill_give_the_same_tokens(models, prompts, kind, budget, tree_size):
+    """Greedy, 6 prompts over 3 batch slots: later prompts join while others decode, in chunks of
+    a budget that puts their boundaries anywhere; no forward exceeds the budget."""
+    params = SamplingParams(max_tokens=24)
+    whole, _ = run(models, kind, prompts, params, tree_size=tree_size, **WHOLE)
+    chunked, rows = run(models, kind, prompts, params, tree_size=tree_size, max_step_tokens=budget)
+    assert [r.output_ids for r in chunked] == [r.output_ids for r in whole]
+    assert max(rows) <= budget
+    assert sum(r.stats.steps for r in chunked) > 0
+
+
+def test_chunked_sampling_gives_the_same_tokens(models, prompts):
+    """T > 0 with a seed: prompt chunks draw nothing from the verifier's random stream, so plain
+    decoding gives the very same tokens (with a draft, trees cut to the budget draw differently:
+    test_distribution.py checks the distribution)."""
+    params = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, seed=4)
+    whole, _ = run(models, "none", prompts, params, **WHOLE)
+    chunked, _ = run(models, "none", prompts, params, max_step_tokens=6)
+    assert [r.output_ids for r in chunked] == [r.output_ids for r in whole]
+
+
+@pytest.mark.parametrize("length,budget", [(41, 8), (40, 8), (9, 16), (23, 3)])
+def test_a_lone_prompt_prefills_in_ceil_len_over_budget_steps(models, length, budget):
+    prompt = [3 + i % 50 for i in range(length)]
+    engine = Engine(models[0], None, StepConfig(draft_length=0, max_batch=3, max_step_tokens=budget), warm_up=False)
+    rows = rows_per_forward(engine)
+    req = engine.add_request(prompt, SamplingParams(max_tokens=3))
+    steps = 0
+    while not req.output_ids:
+        engine.step()
+        steps += 1
+    assert steps == math.ceil(length / budget)
+    assert rows == [budget] * (steps - 1) + [length - budget * (steps - 1)]
+
+
+def test_a_model_draft_prefills_in_chunks_too(models, prompts):
+    """The draft model takes each prompt chunk the step after the verifier (its KV continues
+    across steps), so its forwards stay within the budget too, and the tokens are unchanged."""
+    target, draft = models
+    prompt = prompts[2] + prompts[4]  # 71 tokens
+    want = run(models, "model", [prompt], SamplingParams(max_tokens=16), **WHOLE)[0][0].output_ids
+    engine = Engine(target, ModelProposer(draft.model, target.config.vocab_size),
+                    StepConfig(draft_length=3, max_batch=3, max_step_tokens=8), warm_up=False)
+    rows, original = [], draft.model.forward_states
+
+    def spy(chunks, layers):
+        rows.append(sum(len(ch.tokens) for ch in chunks))
+        return original(chunks, layers)
+
+    draft.model.forward_states = spy
+    try:
+        got = engine.generate([prompt], SamplingParams(max_tokens=16))[0]
+    finally:
+        del draft.model.forward_states
+    assert got.output_ids == want
+    assert max(rows) <= 8 and sum(rows) > len(prompt)
+
+
+def test_decode_and_tree_rows_come_first_and_prompts_keep_their_order(models):
+    """Running requests keep decoding (trees cut to fit) while two long prompts join in turn."""
+    target = models[0]
+    engine = Engine(target, ModelProposer(models[1].model, target.config.vocab_size),
+                    StepConfig(draft_length=4, tree_size=8, max_batch=3, max_step_tokens=24), warm_up=False)
+    rows = rows_per_forward(engine)
+    first = engine.add_request([4, 5, 6], SamplingParams(max_tokens=30))
+    engine.step()  # `first` decodes from now on
+    long_a = engine.add_request([3 + i % 40 for i in range(60)], SamplingParams(max_tokens=4))
+    long_b = engine.add_request([7 + i % 30 for i in range(60)], SamplingParams(max_tokens=4))
+    firsts = {}
+    for step in range(1, 12):
+        before = len(first.output_ids)
+        engine.step()
+        assert len(first.output_ids) > before or first.finished  # never stalled by the prompts
+        for r in (long_a, long_b):
+            if r.output_ids and r.req_id not in firsts:
+                firsts[r.req_id] = step
+    assert max(rows) <= 24
+    assert firsts[long_a.req_id] < firsts[long_b.req_id]  # first come, first served
+
+
+def test_the_time_budget_learns_the_cost_of_rows_and_floors():
+    b = StepBudget(target_itl_ms=200)
+    assert b.prompt_rows(0, 0) is None  # nothing decodes: no limit
+    for decode_rows, prompt_rows in [(0, 60), (4, 0), (8, 0), (4, 100), (1, 300), (16, 16), (8, 50)] * 3:
+        b.observe(10.0 + 5.0 * decode_rows + 1.5 * prompt_rows, decode_rows, prompt_rows)
+    assert abs(b.decode_ms(4) - 30.0) < 0.5 and abs(b.token_ms - 1.5) < 0.02
+    assert abs(b.prompt_rows(4, 4) - (200 - 30) / 1.5) <= 1
+    assert abs(b.prompt_rows(4, 4, spent_ms=30.0) - (200 - 60) / 1.5) <= 1  # drafting spent part of it
+    assert abs(b.prompt_rows(4, 4, spent_ms=120.0) - 150 / 1.5) <= 1  # past half the target: at most doubles
+    assert abs(b.prompt_rows(1, 1, spent_ms=105.0, waiting=3) - 3 * 120 / 1.5) <= 2  # a burst: 3 prompts, 1 stream
+    for _ in range(200):  # the machine slows down: prompt tokens cost twice as much
+        b.observe(10.0 + 5.0 * 8 + 3.0 * 40, 8, 40)
+        b.observe(10.0 + 5.0 * 8, 8, 0)
+    assert 2.7 < b.token_ms < 3.1  # it follows (the old steps fade at 1% a step)
+    capped = StepBudget(max_step_tokens=40, target_itl_ms=200)
+    assert capped.prompt_rows(30, 4) == 10  # the row limit binds before the time
+    assert capped.tree_rows(4, prompts_wait=True) == 40 - 4 - MIN_CHUNK
+    assert StepBudget(target_itl_ms=200).prompt_rows(30, 30, spent_ms=500.0) >= MIN_CHUNK
+    with pytest.raises(ValueError, match="max_batch"):
+        StepBudget(max_step_tokens=8).validate(max_batch=16)
+
+
+def test_the_verifier_caches_a_prompt_chunk_and_verifies_nothing(models):
+    target = models[0]
+    verifier, seqs = Verifier(target.model), Sequences(1)
+    prompt = [3 + i % 40 for i in range(30)]
+    whole = seqs.update("whole", 0, prompt, SamplingParams())
+    want = verifier.verify([VerifyItem(whole, DraftTree())])[0]
+    part = seqs.update("part", 0, prompt[:13], SamplingParams())
+    got = verifier.verify([VerifyItem(part, DraftTree(), prefill=True)])[0]
+    assert got.tokens == [] and part.cache.length == 13
+    part = seqs.update("part", 13, prompt[13:], None)
+    assert verifier.verify([VerifyItem(part, DraftTree())])[0].tokens == want.tokens
+    assert torch.allclose(part.cache.k[:, :, :30], whole.cache.k[:, :, :30], atol=1e-5)
+    tree = DraftTree()
+    tree.add(5, -1, [5], [1.0])
+    with pytest.raises(ValueError, match="prefill chunk"):
+        verifier.verify([VerifyItem(seqs.update("bad", 0, prompt[:5], SamplingParams()), tree, prefill=True)])
