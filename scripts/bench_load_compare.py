@@ -39,8 +39,14 @@ from services.bench.stats import median  # noqa: E402
 PORTS_PER_STACK = 10  # gateway gRPC, scheduler, draft, verifier, HTTP, Redis at base + 0..5
 
 
+WHOLE = "/whole"  # a setting's suffix: prompts join whole (SPECSERVE_TARGET_ITL_MS=0, no chunked prefill)
+
+
 def stack_env(setting: str, base: int, run_dir: Path) -> dict[str, str]:
-    env = dict(os.environ, SPECSERVE_DRAFT_LENGTH=setting, SPECSERVE_RUN_DIR=str(run_dir), SPECSERVE_METRICS_PORT="0")
+    env = dict(os.environ, SPECSERVE_DRAFT_LENGTH=setting.removesuffix(WHOLE), SPECSERVE_RUN_DIR=str(run_dir),
+               SPECSERVE_METRICS_PORT="0")
+    if setting.endswith(WHOLE):
+        env["SPECSERVE_TARGET_ITL_MS"] = "0"
     for i, role in enumerate(("GATEWAY", "SCHEDULER", "DRAFT", "VERIFIER", "HTTP", "REDIS")):
         env[f"SPECSERVE_{role}_PORT"] = str(base + i)
     env.pop("REDIS_URL", None)  # each stack starts its own
@@ -54,7 +60,7 @@ def start_stacks(settings: list[str], out: Path, port_base: int, timeout_s: floa
     urls = []
     for i, setting in enumerate(settings):
         base = port_base + PORTS_PER_STACK * i
-        run_dir = (out / f"stack-{setting}").resolve()
+        run_dir = (out / f"stack-{setting.replace('/', '-')}").resolve()
         run_dir.mkdir(parents=True, exist_ok=True)
         log = run_dir / "launcher.log"
         with open(log, "w") as f:
@@ -125,8 +131,34 @@ def summarize(result: dict) -> dict:
             plain = [_tokens_per_s(wall, rs) for wall, rs in per.get("0", {}).get(level, [])]
             ratio = median([a / b for a, b in zip(tps, plain) if b]) if setting != "0" and plain else None
             out.setdefault(setting, {})[level] = {"tokens_per_s": s["output_tokens_per_s"], "ratio": ratio,
-                                                  "errors": s["errors"], "rounds": [round(t, 1) for t in tps]}
+                                                  "errors": s["errors"], "rounds": [round(t, 1) for t in tps],
+                                                  **{k: s[k] for k in LATENCIES}}
     return out
+
+
+LATENCIES = ("requests_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s")
+
+
+def _label(setting: str) -> str:
+    k = setting.removesuffix(WHOLE)
+    return (f"k = {k}" if k != "adaptive" else k) + (", whole prompts" if setting.endswith(WHOLE) else "")
+
+
+def latency_table(result: dict) -> str:
+    """Requests/s, TTFT and ITL percentiles per setting and level (over every request of every round)."""
+    settings, s = result["settings_list"], result["load"]
+    summary = summarize(result)
+    lines = ["| concurrency | setting | requests/s | TTFT P50 / P99 ms | ITL P50 / P99 ms |",
+             "| --- | --- | --- | --- | --- |"]
+    for c in s["concurrency"]:
+        for k in settings:
+            v = summary.get(k, {}).get(c)
+            if v is None:
+                continue
+            ms = {name: 1e3 * (v[name] or 0.0) for name in LATENCIES[1:]}
+            lines.append(f"| {c} | {_label(k)} | {v['requests_per_s']:.2f} | {ms['ttft_p50_s']:.0f} / "
+                         f"{ms['ttft_p99_s']:.0f} | {ms['itl_p50_s']:.1f} / {ms['itl_p99_s']:.1f} |")
+    return "\n".join(lines)
 
 
 def table(result: dict) -> str:
@@ -138,7 +170,7 @@ def table(result: dict) -> str:
              f"n-gram draft, {s['requests']} streamed chat requests per level and round, max {s['max_tokens']} "
              f"tokens, temperature {s['temperature']:g}; median over rounds, (x) the median of the per-round "
              f"ratios to plain decoding; {errors} errors in all. {stamp(result['meta'])}.", "",
-             "| concurrency | " + " | ".join(f"k = {k}" if k != "adaptive" else k for k in settings) + " |",
+             "| concurrency | " + " | ".join(_label(k) for k in settings) + " |",
              "| --- |" + " --- |" * len(settings)]
     for c in s["concurrency"]:
         cells = []
@@ -147,12 +179,13 @@ def table(result: dict) -> str:
             ratio = f" ({v['ratio']:.2f}x)" if v and v["ratio"] is not None else ""
             cells.append("n/a" if v is None else f"{v['tokens_per_s']:.1f}{ratio}")
         lines.append(f"| {c} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n\n" + latency_table(result)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--settings", default="0,2,4,adaptive", help="comma-separated draft lengths (0 = plain)")
+    ap.add_argument("--settings", default="0,2,4,adaptive",
+                    help=f"comma-separated draft lengths (0 = plain), each may end in {WHOLE}: no chunked prefill")
     ap.add_argument("--concurrency", default="8,16")
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3, help="rounds")
@@ -164,6 +197,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("bench-out/load-compare"))
     ap.add_argument("--no-run", action="store_true", help="only tabulate OUT/compare.json")
     ap.add_argument("--update", type=Path, help="rewrite the bench_load_compare section of this Markdown file")
+    ap.add_argument("--section", default="bench_load_compare", help="the section --update rewrites")
     args = ap.parse_args()
     path = args.out / "compare.json"
     if args.no_run:
@@ -186,7 +220,7 @@ def main() -> None:
     body = table(result)
     print(body)
     if args.update:
-        update_section(args.update, "bench_load_compare", body)
+        update_section(args.update, args.section, body)
 
 
 if __name__ == "__main__":
