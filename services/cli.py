@@ -10,7 +10,7 @@ import sys
 import time
 
 from services.bench.command import add_bench_parser, cmd_bench
-from services.common.settings import ROLES, add_role_options
+from services.common.settings import ROLES, WEIGHT_FORMATS, add_role_options
 from services.draft.factory import DRAFT_CHOICES
 from services.scheduler.policy import DEFAULT_MAX_DRAFT_LENGTH
 
@@ -29,6 +29,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and activations; auto = float32 on cpu, bfloat16 on cuda "
                         "[SPECSERVE_DTYPE, default: auto]")
+    p.add_argument("--weights", default=_env("WEIGHTS", "native"), choices=list(WEIGHT_FORMATS),
+                   help="native: a GGUF model's Q4_0/Q4_1/Q8_0 weights run as stored (int4 matmul, "
+                        "CPU); float32: dequantized at load [SPECSERVE_WEIGHTS, default: native]")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -140,8 +143,8 @@ def cmd_generate(args) -> int:
     config.validate()
     prompts = _read_prompts(args)
     t0 = time.perf_counter()
-    target = load_model(args.target, device=args.device, dtype=args.dtype)
-    proposer = build_proposer(args.draft, target, device=args.device, dtype=args.dtype,
+    target = load_model(args.target, device=args.device, dtype=args.dtype, weight_format=args.weights)
+    proposer = build_proposer(args.draft, target, device=args.device, dtype=args.dtype, weight_format=args.weights,
                               compression_ratio=args.compression_ratio, guard_points=args.slim_guard_points)
     engine = Engine(target, proposer, config, draft_name=args.draft)  # the latency warm-up runs here
     load_s = time.perf_counter() - t0
@@ -165,7 +168,7 @@ def cmd_generate(args) -> int:
 def cmd_prepare(args) -> int:
     from services.common.loading import load_model
 
-    m = load_model(args.target, device=args.device, dtype=args.dtype)
+    m = load_model(args.target, device=args.device, dtype=args.dtype, weight_format=args.weights)
     print(f"{args.target}: {m.path} ({m.config.model_type}, {m.config.num_layers} layers, "
           f"vocab {m.config.vocab_size}, context {m.config.max_positions})")
     return 0

@@ -60,13 +60,16 @@ async def serve_draft(args) -> None:
     # configuration suffice (vocabulary check, context length). Loaded on the model thread (worker.py).
     thread = model_thread("draft")
     target = await on_model_thread(thread, load_model, args.target, device=args.device, dtype=args.dtype,
-                                   weights=args.draft == "self")
+                                   weights=args.draft == "self", weight_format=args.weights)
     proposer = await on_model_thread(thread, build_proposer, args.draft, target, device=args.device,
-                                     dtype=args.dtype, compression_ratio=float(args.compression_ratio),
+                                     dtype=args.dtype, weight_format=args.weights, compression_ratio=float(args.compression_ratio),
                                      guard_points=float(args.slim_guard_points))
     if proposer is None:
         raise ValueError("a draft service needs a proposer: --draft ngram, self or a checkpoint path")
     metrics = _worker_metrics("draft", args)
+    draft_model = getattr(proposer, "model", None)
+    if draft_model is not None:  # a model draft (the n-gram holds no weights)
+        metrics.weight_bytes.set(draft_model.weight_bytes())
     slim_state = getattr(proposer, "slim_state", None)
     if slim_state is not None:  # SlimSpec guard: slim -> full head switches
         CallbackCounter(metrics.registry, "specserve:slimspec_fallbacks",
@@ -87,10 +90,13 @@ async def serve_verifier(args) -> None:
     _, server = await _listen(args, "verifier", verifier_pb2, "VerifierService",
                               verifier_pb2_grpc.add_VerifierServiceServicer_to_server, servicer)  # NOT_SERVING: loading
     thread = model_thread("verifier")  # loads the model too (worker.py: one OpenMP thread team)
-    target = await on_model_thread(thread, load_model, args.target, device=args.device, dtype=args.dtype)
+    target = await on_model_thread(thread, load_model, args.target, device=args.device, dtype=args.dtype,
+                                   weight_format=args.weights)
     verifier = await on_model_thread(thread, Verifier, target.model)
+    metrics = _worker_metrics("verifier", args)
+    metrics.weight_bytes.set(target.model.weight_bytes())
     servicer.bind(StepWorker(_worker_info("verifier", target, args.device), 1, VerifyWork(verifier),
-                             _worker_metrics("verifier", args), thread))
+                             metrics, thread))
     await server.ready()
     await server.run(float(args.grace_period))
 

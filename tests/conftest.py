@@ -39,16 +39,27 @@ def tiny_draft(tmp_path_factory, tiny_target) -> Path:
                                 noise_from=tiny_target, noise_std=0.08)
 
 
-@pytest.fixture(scope="session")
-def default_model(home):
-    """The real default model (SmolLM2-135M-Instruct), from the user's prepared cache."""
+def _prepared_default(weight_format: str):
     from services.common.loading import load_model
 
     old = os.environ.pop("SPECSERVE_HOME")  # use the cache `make setup` prepared
     try:
-        return load_model("default")
+        return load_model("default", weight_format=weight_format)
     finally:
         os.environ["SPECSERVE_HOME"] = old
+
+
+@pytest.fixture(scope="session")
+def default_model(home):
+    """The real default model (SmolLM2-135M-Instruct), from the user's prepared cache, dequantized
+    to float32: the weights transformers runs, so its outputs are comparable with HF's."""
+    return _prepared_default("float32")
+
+
+@pytest.fixture(scope="session")
+def default_native(home):
+    """The real default model as it is served: its GGUF blocks run natively."""
+    return _prepared_default("native")
 
 
 def redis_server_binary() -> str:

@@ -99,3 +99,28 @@ def head_proposer(loaded, head):
     from services.draft.head_proposer import HeadProposer
 
     return HeadProposer(head, load_weights(loaded.path)["model.embed_tokens.weight"], loaded.config.vocab_size)
+
+
+def native(loaded, layer_kind: str = "Q4_1", embed_kind: str = "Q8_0"):
+    """The same checkpoint as a quantized GGUF model runs it: every linear weight and the
+    embedding quantized into GGUF blocks by the gguf package's own quantizer, and handed to
+    LlamaModel as `load_model` hands a GGUF file's blocks (a copy of `loaded` with that model)."""
+    import dataclasses
+
+    import gguf
+    from gguf.quants import quantize
+
+    from services.common.gguf_blocks import BlockTensor
+    from services.common.llama import LlamaModel
+    from services.common.loading import load_weights
+
+    weights = load_weights(loaded.path)
+    blocks = {}
+    for name, w in weights.items():
+        if name.endswith("proj.weight") or name == "model.embed_tokens.weight":
+            kind = embed_kind if "embed" in name else layer_kind
+            raw = quantize(w.numpy(), gguf.GGMLQuantizationType[kind])
+            blocks[name] = BlockTensor(kind, torch.from_numpy(raw))
+    rest = {n: w for n, w in weights.items() if n not in blocks}
+    model = LlamaModel(loaded.config, rest, torch.device("cpu"), torch.float32, blocks)
+    return dataclasses.replace(loaded, model=model)

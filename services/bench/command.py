@@ -9,6 +9,7 @@ import os
 import sys
 from pathlib import Path
 
+from services.common.settings import WEIGHT_FORMATS
 from services.scheduler.policy import DEFAULT_MAX_DRAFT_LENGTH
 
 SPEC_SECTION, LOAD_SECTION = "bench_spec", "bench_load"
@@ -47,6 +48,9 @@ def add_bench_parser(sub, add_model_args) -> None:
     s.add_argument("--max-draft-length", type=int,
                    default=int(_env("MAX_DRAFT_LENGTH", str(DEFAULT_MAX_DRAFT_LENGTH))),
                    help=f"largest k adaptive may choose [SPECSERVE_MAX_DRAFT_LENGTH, default: {DEFAULT_MAX_DRAFT_LENGTH}]")
+    s.add_argument("--plain-weights", type=_csv, default=[],
+                   help="also plain decoding on these weight formats of the target, side by side (e.g. float32 "
+                        "beside native)")
     s.add_argument("--repeats", type=int, default=3, help="interleaved repeats; medians are reported")
     s.add_argument("--no-warmup", action="store_true", help="skip the unmeasured warm-up run of each decoder")
     s.add_argument("--no-peers", action="store_true", help="skip the Hugging Face peers")
@@ -116,7 +120,10 @@ def cmd_spec(args, argv: list[str]) -> int:
     if args.max_draft_length < 1:
         raise ValueError(f"--max-draft-length must be >= 1, got {args.max_draft_length}")
     questions = load_questions(args.questions, args.categories, args.limit)
-    target = load_model(args.target, device=args.device, dtype=args.dtype)
+    bad = [f for f in args.plain_weights if f not in WEIGHT_FORMATS or f == args.weights]
+    if bad:
+        raise ValueError(f"--plain-weights: {bad[0]!r} is not another of {', '.join(WEIGHT_FORMATS)}")
+    target = load_model(args.target, device=args.device, dtype=args.dtype, weight_format=args.weights)
     kept, prompts, skipped = [], [], []
     for q in questions:
         ids = encode_prompt(target.tokenizer, q.text, chat=True)
@@ -131,7 +138,8 @@ def cmd_spec(args, argv: list[str]) -> int:
     if not kept:
         raise ValueError("no question fits the target's context with --max-tokens")
     ds = build_decoders(target, args.draft, lengths, args.tree_size, device=args.device, dtype=args.dtype,
-                        peers=not args.no_peers, max_draft_length=args.max_draft_length)
+                        peers=not args.no_peers, max_draft_length=args.max_draft_length,
+                        weight_format=args.weights, plain_formats=tuple(args.plain_weights))
     result = {"meta": meta(["specserve", *argv]), "target": args.target, "draft": args.draft,
               "questions_file": str(args.questions), "skipped": skipped}
     result.update(run_spec(kept, prompts, ds.decoders, settings, ds.not_applicable, progress=not args.no_progress))

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.common.loading import LoadedModel, resolve_checkpoint, resolve_device, resolve_dtype
+from services.common.loading import LoadedModel, load_model, resolve_checkpoint, resolve_device, resolve_dtype
 from services.common.sampling import SamplingParams
 from services.draft.factory import HYBRID_SUFFIX, build_proposer
 from services.draft.feature_head import is_head_checkpoint
@@ -49,9 +49,15 @@ class Decoder(ABC):
     def decode(self, prompt_ids: list[int], params: SamplingParams) -> Decoded:
         """Decode one prompt; the output tokens and what it took."""
 
+    @property
+    def reference(self) -> str:
+        """The decoder whose greedy tokens this one must reproduce: the plain decoder on the same
+        weights (native GGUF weights and their float32 dequantization round differently)."""
+        return self.baseline
+
     def describe(self) -> dict:
         return {"name": self.name, "engine": self.engine, "baseline": self.baseline, "draft": self.draft,
-                "draft_length": self.draft_length}
+                "draft_length": self.draft_length, "reference": self.reference}
 
 
 class EngineDecoder(Decoder):
@@ -63,8 +69,9 @@ class EngineDecoder(Decoder):
 
     def __init__(self, name: str, target: LoadedModel, proposer: Proposer | None, draft: str,
                  draft_length: int | str, tree_size: int | None = None,
-                 max_draft_length: int = DEFAULT_MAX_DRAFT_LENGTH):
+                 max_draft_length: int = DEFAULT_MAX_DRAFT_LENGTH, reference: str | None = None):
         self.name, self.draft, self.draft_length = name, draft, draft_length
+        self._reference = reference or PLAIN
         try:
             config = StepConfig(draft_length=draft_length, tree_size=tree_size, max_draft_length=max_draft_length)
             self._engine = Engine(target, proposer, config, draft_name=draft)
@@ -76,6 +83,10 @@ class EngineDecoder(Decoder):
         req = self._engine.generate([prompt_ids], params)[0]
         elapsed = time.perf_counter() - t0
         return Decoded(list(req.output_ids), elapsed, req.stats.steps, req.stats.drafted, req.stats.accepted)
+
+    @property
+    def reference(self) -> str:
+        return self._reference
 
 
 class HFDecoder(Decoder):
@@ -178,16 +189,24 @@ class DecoderSet:
 
 def build_decoders(target: LoadedModel, draft: str, draft_lengths: list[int | str], tree_size: int | None = None,
                    device: str = "cpu", dtype: str | None = None, peers: bool = True,
-                   max_draft_length: int = DEFAULT_MAX_DRAFT_LENGTH) -> DecoderSet:
+                   max_draft_length: int = DEFAULT_MAX_DRAFT_LENGTH, weight_format: str = "native",
+                   plain_formats: tuple[str, ...] = ()) -> DecoderSet:
     """This engine plain and with each of `draft` (comma-separated: side by side) at each draft
-    length (adaptive: up to `max_draft_length`); with `peers`, HF `generate` and the HF peers
-    matching the drafts (assisted generation for a draft model, prompt lookup for ngram) at the
-    largest integer draft length."""
+    length (adaptive: up to `max_draft_length`), on the target as loaded (`weight_format`), plus
+    plain decoding on each of `plain_formats` (`plain_float32`: the same GGUF dequantized); with
+    `peers`, HF `generate` and the HF peers matching the drafts (assisted generation for a draft
+    model, prompt lookup for ngram) at the largest integer draft length."""
     drafts = [_resolve_draft(d.strip(), target) for d in draft.split(",") if d.strip()]
     decoders: list[Decoder] = [EngineDecoder(PLAIN, target, None, "none", 0)]
+    for fmt in plain_formats:
+        other = load_model(target.name, device=device, dtype=dtype, weight_format=fmt)
+        # float32 weights are HF's: its tokens must be generate's (native ones round differently)
+        decoders.append(EngineDecoder(f"{PLAIN}_{fmt}", other, None, "none", 0,
+                                      reference=HF_PLAIN if peers and fmt == "float32" else f"{PLAIN}_{fmt}"))
     for d in drafts:
         if d != "none":
-            decoders.extend(_engine_decoders(target, d, draft_lengths, tree_size, device, dtype, max_draft_length))
+            decoders.extend(_engine_decoders(target, d, draft_lengths, tree_size, device, dtype, max_draft_length,
+                                             weight_format))
     if not peers:
         return DecoderSet(decoders, {})
     from transformers import AutoModelForCausalLM
@@ -217,9 +236,9 @@ def build_decoders(target: LoadedModel, draft: str, draft_lengths: list[int | st
 
 
 def _engine_decoders(target: LoadedModel, draft: str, draft_lengths: list[int | str], tree_size: int | None,
-                     device: str, dtype: str | None, max_draft_length: int) -> list[Decoder]:
+                     device: str, dtype: str | None, max_draft_length: int, weight_format: str) -> list[Decoder]:
     """This engine with one draft at each draft length (one proposer: one request at a time)."""
-    proposer = build_proposer(draft, target, device=device, dtype=dtype)
+    proposer = build_proposer(draft, target, device=device, dtype=dtype, weight_format=weight_format)
     label, out = _draft_label(draft), []
     for k in draft_lengths:
         if k == 0:

@@ -136,9 +136,9 @@ def identity_line(result: dict) -> str:
     if not ident["checked"]:
         return "Token identity: not checked (temperature > 0: outputs are samples)."
     n, k = len(result["questions"]), len(result["configs"])
-    text = f"Token identity at temperature 0 (reference: {ident['reference']}): "
+    text = f"Token identity at temperature 0 (reference: {ident['reference']}, or the plain decoder on the same weights): "
     if ident["identical"]:
-        text += f"all {k} configurations produced identical tokens on all {n} prompts"
+        text += f"all {k} configurations produced the tokens of their reference on all {n} prompts"
     else:
         seen = {}
         for mm in ident["mismatches"]:
@@ -148,6 +148,11 @@ def identity_line(result: dict) -> str:
             for (q, c), mm in seen.items())
     if ident["length_differences"]:
         text += f"; {len(ident['length_differences'])} runs equal over the common length but of another length"
+    cross = ident.get("plain_vs_hf")
+    if cross and cross["identical"] < cross["questions"]:
+        at = ", ".join(str(p) for p in sorted(cross["first_difference_at"]))
+        text += (f". This engine's plain decoding (its weights as loaded) gave HF generate's tokens on "
+                 f"{cross['identical']} of {cross['questions']} prompts (first differences at tokens {at or '-'})")
     return text + "."
 
 

@@ -63,6 +63,7 @@ def run_spec(questions: list[Question], prompts: list[list[int]], decoders: list
             d.decode(prompts[0], settings.params(0, min(WARMUP_TOKENS, settings.max_tokens)))
     runs, outputs, mismatches, length_diffs = [], {}, [], []
     reference = PLAIN if PLAIN in names else names[0]
+    refs = {d.name: d.reference if d.reference in names else reference for d in decoders}
     bar = _progress(len(questions) * len(decoders) * settings.repeats, progress)
     try:
         for rep in range(settings.repeats):
@@ -81,12 +82,11 @@ def run_spec(questions: list[Question], prompts: list[list[int]], decoders: list
                 if rep == 0:
                     outputs[str(q.question_id)] = {n: r.token_ids for n, r in results.items()}
                 if settings.temperature == 0:
-                    ref = outputs[str(q.question_id)][reference]
                     for n in names:
-                        diff = compare_tokens(ref, results[n].token_ids)
+                        diff = compare_tokens(outputs[str(q.question_id)][refs[n]], results[n].token_ids)
                         if diff is not None:
                             record = {"question_id": q.question_id, "category": q.category, "config": n,
-                                      "reference": reference, "repeat": rep, **diff}
+                                      "reference": refs[n], "repeat": rep, **diff}
                             (length_diffs if diff["position"] is None else mismatches).append(record)
     finally:
         bar.close()
@@ -103,8 +103,20 @@ def run_spec(questions: list[Question], prompts: list[list[int]], decoders: list
         "summary": summarize(runs, configs, categories_in_order(questions), settings.repeats),
         "identity": {"checked": settings.temperature == 0, "reference": reference,
                      "identical": settings.temperature == 0 and not mismatches,
-                     "mismatches": mismatches, "length_differences": length_diffs},
+                     "mismatches": mismatches, "length_differences": length_diffs,
+                     "plain_vs_hf": plain_vs_hf(outputs) if settings.temperature == 0 else None},
     }
+
+
+def plain_vs_hf(outputs: dict[str, dict[str, list[int]]]) -> dict | None:
+    """How often this engine's plain decoding departs from HF `generate` (different weights, e.g.
+    native GGUF blocks against their float32 dequantization): questions that differ and where."""
+    pairs = [(o[PLAIN], o[HF_PLAIN]) for o in outputs.values() if PLAIN in o and HF_PLAIN in o]
+    if not pairs:
+        return None
+    diffs = [compare_tokens(hf, ours) for ours, hf in pairs]
+    positions = [d["position"] for d in diffs if d is not None and d["position"] is not None]
+    return {"questions": len(pairs), "identical": sum(d is None for d in diffs), "first_difference_at": positions}
 
 
 def compare_tokens(reference: list[int], tokens: list[int]) -> dict | None:

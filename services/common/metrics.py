@@ -309,6 +309,8 @@ class WorkerMetrics:
         self.requests = Gauge("specserve:worker_requests", "Requests whose state the worker holds", registry=r)
         self.kv_bytes = Gauge("specserve:kv_cache_usage_bytes", "Bytes of KV cache held for requests",
                               registry=r)
+        self.weight_bytes = Gauge("specserve:model_weight_bytes",
+                                  "Bytes of model weights held (quantized ones as stored or packed)", registry=r)
         if gpu_memory is not None:  # only on CUDA: (used, total) bytes of the device
             self.gpu_used = Gauge("specserve:gpu_memory_used_bytes", "Device memory in use", registry=r)
             self.gpu_total = Gauge("specserve:gpu_memory_total_bytes", "Device memory in all", registry=r)

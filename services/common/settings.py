@@ -12,6 +12,9 @@ from dataclasses import dataclass
 
 ROLES = ("draft", "verifier", "scheduler", "gateway")
 
+# native: a GGUF model's quantized blocks as stored (CPU); float32: dequantized at load (into --dtype)
+WEIGHT_FORMATS = ("native", "float32")
+
 # Default listening ports per role (gRPC; the gateway also serves HTTP).
 DEFAULT_PORTS = {"gateway": 50050, "scheduler": 50051, "draft": 50052, "verifier": 50053}
 DEFAULT_HTTP_PORT = 8000
@@ -46,6 +49,9 @@ OPTIONS: tuple[Option, ...] = (
            "more than this many percentage points below the full head's calibrated rate"),
     Option("--device", "SPECSERVE_DEVICE", "cpu", ("draft", "verifier"), "cpu, cuda or auto"),
     Option("--dtype", "SPECSERVE_DTYPE", "auto", ("draft", "verifier"), "auto, float32, bfloat16, float16"),
+    Option("--weights", "SPECSERVE_WEIGHTS", "native", ("draft", "verifier"),
+           "native: a GGUF model's Q4_0/Q4_1/Q8_0 weights run as stored (int4 matmul, CPU); float32: "
+           "dequantized at load"),
     Option("--draft-addrs", "SPECSERVE_DRAFT_ADDRS", "127.0.0.1:50052", ("scheduler",),
            "comma-separated draft replicas (host:port), or local: n-gram drafting inside the scheduler "
            "(no draft service, no draft hop)"),

@@ -55,7 +55,7 @@ def resolve_draft_spec(draft: str, target: LoadedModel) -> str:
 
 
 def build_proposer(draft: str, target: LoadedModel, device: str = "cpu", dtype: str | None = None,
-                   compression_ratio: float = 1.0, guard_points: float | None = DEFAULT_GUARD_POINTS) -> Proposer | None:
+                   weight_format: str = "native", compression_ratio: float = 1.0, guard_points: float | None = DEFAULT_GUARD_POINTS) -> Proposer | None:
     """compression_ratio: SlimSpec's kept fraction of the vocabulary for a model draft (1.0 = the
     full head); guard_points: the quality guard's allowed acceptance drop (None = no guard)."""
     compression_ratio = validate_ratio(compression_ratio)
@@ -70,10 +70,10 @@ def build_proposer(draft: str, target: LoadedModel, device: str = "cpu", dtype: 
         return HybridProposer(build_head_proposer(draft[: -len(HYBRID_SUFFIX)], target))
     if draft == "self":  # the target drafts for itself: every draft token is accepted
         if target.model is None:
-            target = load_model(target.name, device=device, dtype=dtype)
+            target = load_model(target.name, device=device, dtype=dtype, weight_format=weight_format)
         loaded = target
     else:
-        loaded = load_model(draft, device=device, dtype=dtype)
+        loaded = load_model(draft, device=device, dtype=dtype, weight_format=weight_format)
         check_same_vocabulary(target.tokenizer, loaded.tokenizer, target.name, loaded.name)
     slim = build_slim_head(loaded, target, compression_ratio)
     guard = SlimGuard(GuardConfig(points=float(guard_points))) if slim is not None and guard_points is not None else None

@@ -75,8 +75,7 @@ class SlimHead:
     def build(cls, model: LlamaModel, kept: torch.Tensor) -> "SlimHead":
         slim = copy.copy(model)  # shallow: layers, RoPE tables and caches stay shared
         # [kept, hidden]: the rows of the (possibly tied) head for the kept ids, contiguous
-        head = model.lm_head.dense
-        slim.lm_head = model.matmul.weight(head.index_select(0, kept.to(head.device)).contiguous())
+        slim.lm_head = model.matmul.weight(model.head_rows(kept).contiguous())
         return cls(kept.to(model.device), slim)
 
 

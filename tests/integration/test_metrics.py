@@ -145,6 +145,7 @@ def test_gauges_while_a_request_runs(metered):
     assert value(s, "specserve:num_requests_running") == 1
     assert value(v, "specserve:kv_cache_usage_bytes") > 0 and value(v, "specserve:worker_requests") == 1
     assert value(d, "specserve:kv_cache_usage_bytes") > 0  # the draft model's cache
+    assert value(v, "specserve:model_weight_bytes") > 0 and value(d, "specserve:model_weight_bytes") > 0
     deadline = time.monotonic() + 5
     while value(scrape(urls["verifier"]), "specserve:kv_cache_usage_bytes") > 0:
         assert time.monotonic() < deadline, "the verifier kept the cancelled request's KV cache"

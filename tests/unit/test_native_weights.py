@@ -1,0 +1,130 @@
+"""Native GGUF weights: blocks read as stored, int4 matmuls, the accuracy they cost, and
+lossless speculation on them (greedy identity against plain decoding on the same weights, and
+the sampling distribution).
+
+Bound: with bfloat16 activations, scales and products, the default target's logits stay within
+LOGIT_BOUND (absolute; its logits reach about 30-40) of the float32 dequantized model's, for 1 to
+64 rows of one forward.
+"""
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize, quantize
+
+from services.common.gguf_blocks import BlockTensor, read_blocks
+from services.common.llama import Chunk
+from services.common.loading import default_gguf_path, load_model, load_weights
+from services.common.quant import int4_linear, pack
+from services.common.sampling import SamplingParams
+from services.draft.model_proposer import ModelProposer
+from services.draft.ngram import NgramProposer
+from services.scheduler.core import StepConfig
+from services.scheduler.engine import Engine
+from tests import tiny
+from tests.unit import test_distribution as dist
+
+LOGIT_BOUND = 1.5
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_each_block_kind_decodes_exactly_and_multiplies_within_bfloat16(kind):
+    torch.manual_seed(0)
+    w = torch.randn(96, 128) * 0.05
+    raw = quantize(w.numpy(), gguf.GGMLQuantizationType[kind])
+    block = BlockTensor(kind, torch.from_numpy(raw))
+    values = torch.from_numpy(dequantize(raw, gguf.GGMLQuantizationType[kind]).copy())
+    assert block.shape == (96, 128) and torch.equal(block.dequantize(), values)
+    rows = torch.tensor([5, 0, 95])
+    assert torch.equal(block.dequantize(rows), values[rows])
+    native = pack(block)
+    x = torch.randn(37, 128)
+    y, ref = int4_linear(x, native), x @ values.T
+    assert y.dtype == torch.float32 and y.shape == (37, 96)
+    assert float((y - ref).abs().max() / ref.abs().max()) < 2e-2
+    # a row's output does not depend on the other rows of the call (verify == plain decoding)
+    assert all(torch.equal(int4_linear(x[i : i + 1], native), y[i : i + 1]) for i in (0, 17, 36))
+    assert torch.equal(int4_linear(x[3:11], native), y[3:11])
+
+
+def test_the_default_models_blocks_are_its_dequantized_weights(default_native):
+    """Every quantized weight of the shipped GGUF, read as stored (q/k rows back in Hugging Face
+    order), decodes bitwise to the float32 checkpoint transformers dequantized from it."""
+    blocks, other = read_blocks(default_gguf_path(), default_native.config)
+    assert other == {} and len(blocks) == 30 * 7 + 1
+    assert {b.kind for b in blocks.values()} == {"Q4_1", "Q8_0"}
+    dense = load_weights(default_native.path)
+    for name, block in blocks.items():
+        assert torch.equal(block.dequantize(), dense[name]), name
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 64])
+def test_native_logits_stay_within_the_bound_of_float32(default_native, default_model, rows):
+    f32 = default_model
+    text = "Speculative decoding verifies a whole draft of tokens in one forward pass of the target model. " * 8
+    ids = default_native.tokenizer(text)["input_ids"][:16 + rows]
+    out = []
+    for lm in (default_native.model, f32.model):
+        cache = lm.new_cache(128)
+        lm.forward([Chunk(cache, ids[:16], list(range(-1, 15)), 16)])  # a cached prefix
+        out.append(lm.forward([Chunk(cache, ids[16:], list(range(-1, rows - 1)), 0)])[0])
+    assert out[0].shape == (rows, 49152)
+    assert float((out[0] - out[1]).abs().max()) < LOGIT_BOUND
+
+
+def test_native_weights_hold_a_tenth_of_float32(default_native, default_model):
+    assert default_native.model.weight_bytes() < 150e6  # Q4_1 layers and a Q8_0 embedding/head: about 132 MB
+    assert default_model.model.weight_bytes() > 500e6  # float32 (and where used, its blocked copy)
+    assert default_native.model.embed is None and default_native.model.lm_head.dense is None
+
+
+def test_a_bad_weight_format_is_refused(home):
+    with pytest.raises(ValueError, match="weights must be one of native, float32"):
+        load_model("default", weight_format="int3")
+
+
+@pytest.mark.parametrize("k,tree_size", [(4, None), (3, 6)])
+def test_greedy_speculation_on_native_weights_equals_plain(default_native, k, tree_size):
+    tok = default_native.tokenizer
+    prompts = [tok(p)["input_ids"] for p in ("List the days of the week: Monday, Tuesday,",
+                                             "def fib(n):\n    if n < 2:\n        return n\n    return")]
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    plain = Engine(default_native, None, StepConfig(draft_length=0, max_batch=2)).generate(prompts, params)
+    spec = Engine(default_native, NgramProposer(), StepConfig(draft_length=k, tree_size=tree_size, max_batch=2))
+    out = spec.generate(prompts, params)
+    assert [r.output_ids for r in out] == [r.output_ids for r in plain]
+    assert sum(r.stats.accepted for r in out) > 0  # speculation did accept tokens
+
+
+class _NativeAsHF:
+    """Full-sequence logits of a native model, in the shape test_distribution reads from HF."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, ids: torch.Tensor):
+        seq = ids[0].tolist()
+        logits = self.model.forward([Chunk(self.model.new_cache(len(seq)), seq, list(range(-1, len(seq) - 1)), 0)])[0]
+        return type("Out", (), {"logits": logits[None]})
+
+
+@pytest.fixture(scope="module")
+def native_models(tmp_path_factory, home):
+    root = tmp_path_factory.mktemp("native")
+    target = tiny.make_checkpoint(root / "target", vocab_size=dist.V, hidden=64, seed=21, init_std=0.2)
+    close = tiny.make_checkpoint(root / "close", vocab_size=dist.V, hidden=64, seed=22, noise_from=target,
+                                 noise_std=0.1)
+    return tiny.native(load_model(str(target))), load_model(str(close)).model
+
+
+@pytest.mark.parametrize("k,tree_size", [(2, 4)])  # a tree; chains are trees too (one case: 20,000 samples)
+def test_sampling_on_native_weights_matches_their_distribution(native_models, k, tree_size):
+    target, close = native_models
+    assert target.model.layers[0]["wqkv"].native is not None  # the int4 route, not a fallback
+    params = SamplingParams(max_tokens=3, temperature=0.8, top_k=5, top_p=0.9, ignore_eos=True)
+    engine = Engine(target, ModelProposer(close, dist.V), StepConfig(draft_length=k, tree_size=tree_size,
+                                                                     max_batch=1000))
+    counts, reqs = dist.sample_joint(engine, params)
+    dist.assert_matches(counts, dist.exact_distribution(_NativeAsHF(target.model), params))
+    assert 0 < sum(r.stats.accepted for r in reqs) < sum(r.stats.drafted for r in reqs)
