@@ -20,7 +20,8 @@ def test_a_worker_loads_its_model_on_its_model_thread(monkeypatch, role, extra):
         raise RuntimeError("loaded")  # ends the role's start-up here
 
     monkeypatch.setattr(loading, "load_model", load)
-    args = argparse.Namespace(target="default", device="cpu", dtype="auto", host="127.0.0.1", port=0, **extra)
+    args = argparse.Namespace(target="default", device="cpu", dtype="auto", weights="native", host="127.0.0.1",
+                              port=0, **extra)
     with pytest.raises(RuntimeError, match="loaded"):
         asyncio.run(serve.ROLE_MAIN[role](args))
     assert len(seen) == 1 and seen[0].startswith(role) and seen[0] != threading.main_thread().name
