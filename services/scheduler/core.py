@@ -7,7 +7,7 @@ Requests join and leave between steps (continuous batching): the head of the que
 batch slot is free and its KV reservation fits (admission.py). Each request's draft length comes
 from its own fixed k or, adaptive, from the controller (controller.py: the latency model and
 acceptance estimates), capped by what it may still emit and by the draft's context. Under a step
-budget (budget.py) a new prompt joins in chunks after the decode rows (chunked prefill) and
+budget (prefill.py, budget.py) a new prompt joins in chunks after the decode rows (chunked prefill) and
 drafts once all of it is in the verifier; trees are cut to a row limit. The draft and
 the verifier sit behind one interface (workers.py), in this process or over gRPC (replicas.py);
 metrics, spans and the Redis priors watch the step through observers (observers.py). The step
@@ -30,9 +30,9 @@ from services.scheduler.controller import ControllerConfig, DraftController
 from services.scheduler.latency import StepShape
 from services.scheduler.observers import Outcome, PriorsObserver, StepObserver, StepReport
 from services.scheduler.policy import DEFAULT_MAX_DRAFT_LENGTH
+from services.scheduler.prefill import Prefill
 from services.scheduler.priors import Priors
 from services.scheduler.request import Request
-from services.scheduler.trim import subtree
 from services.scheduler.workers import Reply, Work, Workers
 
 log = logging.getLogger(__name__)
@@ -108,7 +108,7 @@ class StepCore:
                                   route_rows=target.route_rows)
             self.controller = DraftController(cc, priors=lambda cls: self.priors.priors(cls, cc.max_draft_length))
         self.admission = Admission(config.kv_budget_tokens, config.max_waiting, config.max_batch)
-        self.budget = StepBudget(config.max_step_tokens, config.target_itl_ms)
+        self.prefill = Prefill(StepBudget(config.max_step_tokens, config.target_itl_ms))
         self.waiting: deque[Request] = deque()  # mirrors the admission queue
         self.running: list[Request] = []
         self.by_id: dict[str, Request] = {}
@@ -204,14 +204,14 @@ class StepCore:
         if not batch:
             return []
         t0 = time.perf_counter()
-        decoding, prompts = self._split(batch)
+        decoding, prompts = self.prefill.split(batch)
         budgets, decisions = self._plan(decoding)
         trees, drafted, fresh = await self._propose(decoding, budgets, prompts)
         proposed = (sum(len(t) for t in trees.values()), max((max(t.depths(), default=0) for t in trees.values()),
                                                              default=0))
         confs = self._trim(decoding, trees, time.perf_counter() - t0)
-        self._fit_trees(decoding, bool(prompts), trees, confs)
-        chunks = self._chunks(decoding, prompts, trees, (time.perf_counter() - t0) * 1e3)
+        self.prefill.fit_trees(decoding, bool(prompts), trees, confs)
+        chunks = self.prefill.chunks(decoding, prompts, trees, (time.perf_counter() - t0) * 1e3)
         t1 = time.perf_counter()
         # A request cancelled while the draft worked is not verified: its release is on its way.
         layers = self.drafts.feature_layers if self.drafts is not None else ()
@@ -224,10 +224,10 @@ class StepCore:
         report = StepReport(self.steps, len(batch), t0, t1, t2, decisions=decisions, chunks=[n for _, n in chunks])
         self.steps += 1
         self.admission.record_step(t2 - t0)
-        joined = self._advance(chunks, verified)
+        joined = self.prefill.advance(chunks, verified)
         out = self._commit(decoding + joined, budgets, trees, confs, verified, report)
         if verified.results:  # a step no verifier took times nothing
-            self._observe_rows(report.verify_ms, decoding, trees, chunks, verified.fresh)
+            self.prefill.observe(report.verify_ms, decoding, trees, chunks, verified.fresh)
         if self.controller is not None and report.outcomes:
             shape = StepShape(len(decoding), drafted, proposed[0], proposed[1],
                               verified=sum(len(t) for t in trees.values()))
@@ -240,83 +240,6 @@ class StepCore:
         for observer in self.observers:
             observer.on_step(report)
         return out
-
-    # -- chunked prefill (budget.py) --------------------------------------------------------------
-    def _split(self, batch: list[Request]) -> tuple[list[Request], list[Request]]:
-        """(the requests that decode this step, those whose prompt joins in chunks). When nothing
-        limits the step's rows, every prompt joins whole and drafts at once."""
-        prompts = [r for r in batch if r.prefilling]
-        decoding = [r for r in batch if not r.prefilling]
-        if prompts and not self.budget.limited(len(decoding)):
-            for r in prompts:
-                r.prefilled = len(r.prompt_ids)
-            return batch, []
-        return decoding, prompts
-
-    def _fit_trees(self, decoding: list[Request], prompts_wait: bool, trees: dict[str, DraftTree],
-                   confs: dict[str, list[float]]) -> None:
-        """Cut the trees (in place) to the deepest level whose nodes fit the row limit: a tree cut at
-        a depth is the tree that depth would have drafted, so no draft is biased."""
-        room = self.budget.tree_rows(len(decoding), prompts_wait)
-        if room is None or sum(len(t) for t in trees.values()) <= room:
-            return
-        counts = [0] * (1 + max(max(t.depths(), default=0) for t in trees.values()))
-        for t in trees.values():
-            for d in t.depths():
-                counts[d] += 1
-        depth = 0
-        while depth + 1 < len(counts) and sum(counts[: depth + 2]) <= room:
-            depth += 1
-        for rid, t in trees.items():
-            keep = [i for i, d in enumerate(t.depths()) if d <= depth]
-            if len(keep) < len(t):
-                trees[rid] = subtree(t, keep)
-                if rid in confs:
-                    confs[rid] = [confs[rid][i] for i in keep]
-
-    def _chunks(self, decoding: list[Request], prompts: list[Request], trees: dict[str, DraftTree],
-                spent_ms: float) -> list[tuple[Request, int]]:
-        """(request, prompt tokens to send this step), first come first served, within the budget
-        the decode rows leave."""
-        rows = sum(1 + len(trees.get(r.req_id, ())) for r in decoding)
-        left = self.budget.prompt_rows(rows, len(decoding), spent_ms, waiting=len(prompts))
-        out = []
-        for r in prompts:
-            if r.finished:  # cancelled while the draft worked
-                continue
-            n = len(r.prompt_ids) - r.prefilled
-            if left is not None:
-                n, left = min(n, left), left - min(n, left)
-            if n <= 0:
-                break
-            out.append((r, n))
-        return out
-
-    def _observe_rows(self, verify_ms: float, decoding: list[Request], trees: dict[str, DraftTree],
-                      chunks: list[tuple[Request, int]], fresh: set[str]) -> None:
-        """Teach the budget the step's verify time: its decode rows, and its prompt rows (the
-        chunks, and the whole tokens of a request sent from its start)."""
-        rebuilt = [r for r in decoding if r.req_id in fresh]
-        decode_rows = sum(1 + len(trees.get(r.req_id, ())) for r in decoding if r.req_id not in fresh)
-        self.budget.observe(verify_ms, decode_rows + sum(len(trees.get(r.req_id, ())) for r in rebuilt),
-                            sum(n for _, n in chunks) + sum(len(r.tokens) for r in rebuilt))
-
-    def _advance(self, chunks: list[tuple[Request, int]], verified: Reply) -> list[Request]:
-        """Count the chunks the verifier took (one it did not take resends from the start); the
-        requests whose prompt is now all sent, whose verdict commits their first tokens."""
-        joined = []
-        for r, n in chunks:
-            verdict = verified.results.get(r.req_id)
-            if verdict is None:
-                r.prefilled = 0
-                continue
-            r.prefilled += n
-            if r.prefilling:
-                if verdict.states is not None:
-                    r.states.append(verdict.states)
-            else:
-                joined.append(r)
-        return joined
 
     def _hold(self, req: Request) -> bool:
         """Whether a request no verifier could take waits for one (it is streaming, and has not

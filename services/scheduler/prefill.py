@@ -1,0 +1,100 @@
+"""Chunked prefill within the one step: which prompts join this step, in how many tokens, and
+what the step's verify time teaches the token budget (budget.py).
+
+Running requests' decode rows and draft trees come first; prompts still joining fill what the
+budget leaves, first come first served (a chunked prompt keeps its place). A chunk the verifier
+did not take is sent again from the prompt's start.
+"""
+
+from __future__ import annotations
+
+from services.common.tree import DraftTree
+from services.scheduler.budget import StepBudget
+from services.scheduler.request import Request
+from services.scheduler.trim import subtree
+from services.scheduler.workers import Reply
+
+
+def decode_rows(decoding: list[Request], trees: dict[str, DraftTree]) -> int:
+    """Verify rows of the decoding requests: the pending token and the draft tree of each."""
+    return sum(1 + len(trees.get(r.req_id, ())) for r in decoding)
+
+
+class Prefill:
+    def __init__(self, budget: StepBudget):
+        self.budget = budget
+
+    def split(self, batch: list[Request]) -> tuple[list[Request], list[Request]]:
+        """(the requests that decode this step, those whose prompt joins in chunks). When nothing
+        limits the step's rows, every prompt joins whole and drafts at once."""
+        prompts = [r for r in batch if r.prefilling]
+        decoding = [r for r in batch if not r.prefilling]
+        if prompts and not self.budget.limited(len(decoding)):
+            for r in prompts:
+                r.prefilled = len(r.prompt_ids)
+            return batch, []
+        return decoding, prompts
+
+    def fit_trees(self, decoding: list[Request], prompts_wait: bool, trees: dict[str, DraftTree],
+                  confs: dict[str, list[float]]) -> None:
+        """Cut the trees (in place) to the deepest level whose nodes fit the row limit: a tree cut at
+        a depth is the tree that depth would have drafted, so no draft is biased."""
+        room = self.budget.tree_rows(len(decoding), prompts_wait)
+        if room is None or sum(len(t) for t in trees.values()) <= room:
+            return
+        counts = [0] * (1 + max(max(t.depths(), default=0) for t in trees.values()))
+        for t in trees.values():
+            for d in t.depths():
+                counts[d] += 1
+        depth = 0
+        while depth + 1 < len(counts) and sum(counts[: depth + 2]) <= room:
+            depth += 1
+        for rid, t in trees.items():
+            keep = [i for i, d in enumerate(t.depths()) if d <= depth]
+            if len(keep) < len(t):
+                trees[rid] = subtree(t, keep)
+                if rid in confs:
+                    confs[rid] = [confs[rid][i] for i in keep]
+
+    def chunks(self, decoding: list[Request], prompts: list[Request], trees: dict[str, DraftTree],
+               spent_ms: float) -> list[tuple[Request, int]]:
+        """(request, prompt tokens to send this step), first come first served, within the budget
+        the decode rows leave."""
+        left = self.budget.prompt_rows(decode_rows(decoding, trees), len(decoding), spent_ms, waiting=len(prompts))
+        out = []
+        for r in prompts:
+            if r.finished:  # cancelled while the draft worked
+                continue
+            n = len(r.prompt_ids) - r.prefilled
+            if left is not None:
+                n, left = min(n, left), left - min(n, left)
+            if n <= 0:
+                break
+            out.append((r, n))
+        return out
+
+    def observe(self, verify_ms: float, decoding: list[Request], trees: dict[str, DraftTree],
+                chunks: list[tuple[Request, int]], fresh: set[str]) -> None:
+        """Teach the budget the step's verify time: its decode rows, and its prompt rows (the
+        chunks, and the whole tokens of a request sent from its start)."""
+        rebuilt = [r for r in decoding if r.req_id in fresh]
+        kept = [r for r in decoding if r.req_id not in fresh]
+        self.budget.observe(verify_ms, decode_rows(kept, trees) + sum(len(trees.get(r.req_id, ())) for r in rebuilt),
+                            sum(n for _, n in chunks) + sum(len(r.tokens) for r in rebuilt))
+
+    def advance(self, chunks: list[tuple[Request, int]], verified: Reply) -> list[Request]:
+        """Count the chunks the verifier took (one it did not take resends from the start); the
+        requests whose prompt is now all sent, whose verdict commits their first tokens."""
+        joined = []
+        for r, n in chunks:
+            verdict = verified.results.get(r.req_id)
+            if verdict is None:
+                r.prefilled = 0
+                continue
+            r.prefilled += n
+            if r.prefilling:
+                if verdict.states is not None:
+                    r.states.append(verdict.states)
+            else:
+                joined.append(r)
+        return joined
