@@ -4,15 +4,21 @@ Synthetic requests (fixed token ids) go through the real path: one request per t
 prefilled (not measured), then every size is verified with an n-node chain in rounds, one size
 after another within a round, so that a machine whose speed drifts shifts every size alike
 instead of tilting the fitted cost per node; then each is drafted to each depth k. Each shape is
-one observation, the median of its runs after the first. It runs through the step's own workers
+one observation, the least of its runs after the first (noise only adds: another process's work on
+the same cores, a wait behind another scheduler's step). It runs through the step's own workers
 (services/scheduler/workers.py), so the scheduler service (over gRPC) and the in-process engine
 measure alike, when they start; the result is cached (calibration_cache.py).
+
+Replicas may be shared: several schedulers warming up at once through one verifier queue behind
+each other's steps. So the warm-up's request ids are this process's own, and each run is timed by
+the worker's own compute time plus the least round-trip overhead of all the runs: a wait behind
+another scheduler's step is not a function of our shape, and would tilt the row curve.
 """
 
 from __future__ import annotations
 
 import logging
-import statistics
+import secrets
 import time
 from dataclasses import dataclass
 
@@ -20,13 +26,13 @@ from services.common.sampling import SamplingParams
 from services.common.tree import DraftTree
 from services.scheduler import calibration_cache
 from services.scheduler.latency import LatencyModel, RowCurve, StepShape
-from services.scheduler.workers import Work, Workers
+from services.scheduler.workers import Reply, Work, Workers
 
 log = logging.getLogger(__name__)
 
 PROMPT_LEN = 16
 # Timed rounds over the sizes. The first is dropped (a new row count can build kernels on first
-# use, e.g. oneDNN's for the blocked weights); the median of the rest is what the fit sees.
+# use, e.g. oneDNN's for the blocked weights); the least of the rest is what the fit sees.
 REPEATS = 6
 # Every tree size up to this many nodes is measured, whatever the largest tree (the verify cost
 # is not linear in rows: latency.RowCurve; a batch's forward has more rows than one tree); above
@@ -57,10 +63,9 @@ def tree_sizes(max_k: int, width: int, route_rows: int) -> list[int]:
     return sorted(set(range(EVERY_SIZE_UP_TO + 1)) | {n for n in spread if n <= top})
 
 
-def fit_verify(latency: LatencyModel, times: dict[int, list[float]]) -> None:
-    """The row curve from the warm-up's verify times per tree size (batch 1: rows = nodes + 1),
-    then those times as the fit's first observations."""
-    cost = {n: settled(ts) for n, ts in times.items()}
+def fit_verify(latency: LatencyModel, cost: dict[int, float]) -> None:
+    """The row curve from the warm-up's verify ms per tree size (batch 1: rows = nodes + 1),
+    then those costs as the fit's first observations."""
     latency.set_curve(RowCurve({n + 1: ms - cost[0] for n, ms in cost.items()}))
     for n, ms in cost.items():
         latency.observe_verify(StepShape(1, 0, n, 0), ms)
@@ -70,9 +75,33 @@ def _ms(t0: float) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
+class RunTimes:
+    """Each run's own ms (the worker's compute time, when it reported one, else the round trip)
+    and the rest of its round trip; `settled` adds the least rest to every shape alike."""
+
+    def __init__(self):
+        self.own: dict[int, list[float]] = {}
+        self.rest: list[float] = []
+
+    def add(self, shape: int, t0: float, reply: Reply) -> None:
+        wall = _ms(t0)
+        own = reply.compute_ms if 0.0 < reply.compute_ms <= wall else wall
+        self.own.setdefault(shape, []).append(own)
+        self.rest.append(wall - own)
+
+    def settled(self) -> dict[int, float]:
+        rest = min(self.rest, default=0.0)
+        return {n: settled(ts) + rest for n, ts in self.own.items()}
+
+
+def calibration_id(run: str, n: int) -> str:
+    """A warm-up request's id: `run` is this warm-up's own (replicas may serve other schedulers)."""
+    return f"__calibration_{run}_{n}__"
+
+
 def settled(times: list[float]) -> float:
-    """One shape's cost: the median of its timed runs after the first."""
-    return statistics.median(times[1:] or times)
+    """One shape's cost: the least of its timed runs after the first."""
+    return min(times[1:] or times)
 
 
 def _log_fit(latency: LatencyModel) -> None:
@@ -89,13 +118,14 @@ async def calibrate(latency: LatencyModel, verifiers: Workers, drafts: Workers |
     """Measure through the step's own workers (in-process or remote alike) and fit `latency`."""
     params = SamplingParams(max_tokens=PROMPT_LEN * 4)
     sizes = tree_sizes(max_k, width, latency.route_rows)
+    run = secrets.token_hex(4)
     tokens = {n: synthetic_prompt(vocab_size, salt) for salt, n in enumerate(sizes)}
-    times: dict[int, list[float]] = {n: [] for n in sizes}
+    times = RunTimes()
     layers = drafts.feature_layers if drafts is not None else ()
     states: dict[int, list] = {n: [] for n in sizes}  # what a feature-level draft is sent
     for rnd in range(REPEATS + 1):  # round 0 is the prefill
         for n in sizes:
-            rid = f"__calibration_{n}__"
+            rid = calibration_id(run, n)
             t0 = time.perf_counter()
             reply = await verifiers.step(rnd, [Work(rid, tokens[n], params, tree=synthetic_chain(n if rnd else 0,
                                                                                                vocab_size),
@@ -103,37 +133,42 @@ async def calibrate(latency: LatencyModel, verifiers: Workers, drafts: Workers |
             if rid not in reply.results:
                 raise RuntimeError(f"the verifier did not answer the warm-up's {n}-node step")
             if rnd:
-                times[n].append(_ms(t0))
+                times.add(n, t0, reply)
             tokens[n] = tokens[n] + list(reply.results[rid].tokens)
             if reply.results[rid].states is not None:
                 states[n].append(reply.results[rid].states)
-    fit_verify(latency, times)
+    fit_verify(latency, times.settled())
     for n in sizes:
-        verifiers.release(f"__calibration_{n}__")
+        verifiers.release(calibration_id(run, n))
     if drafts is not None:
-        await _calibrate_draft(latency, drafts, tokens, states, params, max_k, width)
+        await _calibrate_draft(latency, drafts, run, tokens, states, params, max_k, width)
     await verifiers.flush()
     _log_fit(latency)
 
 
-async def _calibrate_draft(latency: LatencyModel, drafts: Workers, tokens: dict[int, list[int]],
+async def _calibrate_draft(latency: LatencyModel, drafts: Workers, run: str, tokens: dict[int, list[int]],
                            states: dict[int, list], params: SamplingParams, max_k: int, width: int) -> None:
     """Draft each size's tokens to depth min(max_k, n) in n nodes; later rounds propose again
     from the same tokens (only the first sends them, and the target's states), so each round
     drafts the same tree."""
+    times, depths = RunTimes(), {}
     for n, toks in tokens.items():
         if n == 0 or n > max_k * width:
             continue
-        rid, k, runs, tree = f"__calibration_{n}__", min(max_k, n), [], None
+        rid, k, tree = calibration_id(run, n), min(max_k, n), None
         for rnd in range(REPEATS + 1):
             t0 = time.perf_counter()
             reply = await drafts.step(rnd, [Work(rid, toks, params, draft_length=k, tree_size=n,
                                                  states=states[n] if rnd == 0 else [])])
-            runs.append(_ms(t0))
+            if rnd:  # the first run also takes the prompt
+                times.add(n, t0, reply)
             tree = reply.results.get(rid)
         if tree is not None and len(tree):
-            latency.draft.observe(StepShape(1, 1, len(tree), k).draft_features(), settled(runs[1:]))
+            depths[n] = (len(tree), k)
         drafts.release(rid)
+    for n, ms in times.settled().items():
+        if n in depths:
+            latency.draft.observe(StepShape(1, 1, depths[n][0], depths[n][1]).draft_features(), ms)
     await drafts.flush()
 
 

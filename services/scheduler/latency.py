@@ -29,18 +29,20 @@ from dataclasses import dataclass
 
 class RowCurve:
     """Extra verify ms of a forward with r rows over one with 1, measured at warm-up: linear
-    between the measured row counts, non-decreasing (a noisy point never makes more rows look
-    cheaper), and beyond the last one the average slope of the whole curve."""
+    between the measured row counts, non-decreasing, and beyond the last one the average slope of
+    the whole curve. Timing noise only adds (another process on the cores, a wait in a queue), so
+    a point dearer than one measured at more rows is noise and is lowered to it: an overestimate
+    would never be corrected online (the nodes it prices out are never verified), an underestimate
+    is, by the steps that verify them."""
 
     def __init__(self, points: dict[int, float]):
         rows = sorted(r for r in points if r >= 1)
         if not rows or rows[0] != 1:
             rows = [1] + rows
-        self.rows, self.ms = rows, []
-        top = 0.0
-        for r in rows:
-            top = max(top, points.get(r, 0.0) if r > 1 else 0.0)
-            self.ms.append(top)
+        self.rows = rows
+        self.ms = [max(0.0, points.get(r, 0.0)) if r > 1 else 0.0 for r in rows]
+        for i in range(len(rows) - 2, 0, -1):
+            self.ms[i] = min(self.ms[i], self.ms[i + 1])
         span = rows[-1] - 1
         self.slope = self.ms[-1] / span if span else 0.0
 

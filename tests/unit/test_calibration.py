@@ -100,3 +100,67 @@ def test_the_cache_key_names_the_machine_and_the_code():
     assert key["cpu"] == calibration_cache.cpu_model() and key["cores"] >= 1 and key["torch_threads"] >= 1
     assert len(key["code"]) == 16 and key["route_rows"] == 3
     assert calibration_cache.load({**key, "code": "another"}) is None
+
+
+class SharedVerifier(DriftingVerifier):
+    """Computes 20 + 0.5 ms per node; the steps of odd sizes wait 25 ms more behind another
+    scheduler's step, in every round (which the worker's own compute time does not count)."""
+
+    async def step(self, step_id, works):
+        nodes = len(works[0].tree)
+        compute = 20.0 + 0.5 * nodes
+        self.clock.now += (compute + (25.0 if nodes % 2 else 0.0)) / 1e3
+        self.calls += 1
+        return Reply(results={works[0].req_id: SimpleNamespace(tokens=[1], states=None)}, compute_ms=compute)
+
+
+def test_a_wait_behind_another_scheduler_does_not_tilt_the_row_curve(monkeypatch):
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr(calibration.time, "perf_counter", lambda: clock.now)
+    latency = LatencyModel(verify_prior=(30.0, 0.0, 0.0, 0.0))
+    calibrate(latency, SharedVerifier(clock))
+    # Timed by the round trip, odd sizes would look 25 ms dearer, and the non-decreasing
+    # row curve would charge +25 ms from 2 rows on.
+    assert latency.curve(2) < 2.0 and latency.curve(17) == pytest.approx(8.0, abs=0.5)
+    assert [latency.verify_ms(1, n) - latency.verify_ms(1, 0) for n in (1, 8, 16)] == \
+        pytest.approx([0.5, 4.0, 8.0], abs=0.3)
+
+
+class Yielding(Workers):
+    """In-process workers that let the event loop run between steps, as a remote stream does."""
+
+    kind = "verifier"
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    async def step(self, step_id, works):
+        await asyncio.sleep(0)
+        return await self.inner.step(step_id, works)
+
+    def release(self, req_id):
+        self.inner.release(req_id)
+
+
+def test_two_schedulers_warm_up_at_once_through_one_verifier(tiny_target):
+    """Schedulers sharing a verifier replica warm up under request ids of their own: the first to
+    finish releases only its own, and the other's warm-up goes on (the same ids once failed it)."""
+    from services.common.loading import load_model
+    from services.common.worker import StepWorker
+    from services.scheduler.workers import LocalWorkers
+    from services.verifier.verifier import Verifier, VerifyWork
+    from specserve.v1 import common_pb2
+
+    model = load_model(str(tiny_target)).model
+    info = common_pb2.InfoResponse(model="tiny", vocab_size=model.config.vocab_size,
+                                   max_positions=model.config.max_positions)
+    worker = StepWorker(info, 1, VerifyWork(Verifier(model)))
+    schedulers = [Yielding(LocalWorkers("verifier", worker)) for _ in range(2)]
+
+    async def both():
+        # one measures trees up to 16 nodes, the other up to 64: it is still measuring when the first ends
+        await asyncio.gather(*(calibration.calibrate(LatencyModel(), s, None, info.vocab_size, max_k=4, width=w)
+                               for s, w in zip(schedulers, (1, 4))))
+
+    asyncio.run(both())
+    assert worker.sequences.ids() == []  # every warm-up request released

@@ -159,10 +159,18 @@ def test_simulated_request_converges_to_the_best_k(alpha, want):
 
 
 def test_row_curve_interpolates_never_falls_and_extends_at_its_average_slope():
-    curve = RowCurve({1: 0.0, 2: 1.5, 3: 1.2, 5: 1.5, 9: 5.5})  # 3 rows measured cheaper than 2: noise
-    assert curve(1) == 0.0 and curve(2) == 1.5 and curve(3) == 1.5  # non-decreasing
+    curve = RowCurve({1: 0.0, 2: 1.5, 3: 1.2, 5: 1.5, 9: 5.5})  # 2 rows measured dearer than 3: noise
+    assert curve(1) == 0.0 and curve(2) == 1.2 and curve(3) == 1.2  # non-decreasing
     assert curve(7) == 1.5 + 4.0 * 2 / 4  # between the points at 5 and 9
     assert curve(13) == 5.5 + 4 * (5.5 / 8)  # beyond the last: 5.5 ms over 8 rows
+
+
+def test_a_noisy_spike_in_the_row_curve_is_lowered_to_what_more_rows_cost():
+    """One point measured while another process held the cores would, kept as measured and
+    carried to every larger row count, price out trees that the online fit never gets to see."""
+    curve = RowCurve({1: 0.0, 2: 0.5, 5: 18.6, 9: 1.0, 17: 1.4})
+    assert curve(5) == 1.0 and curve(9) == 1.0 and curve(17) == 1.4
+    assert RowCurve({1: 0.0, 2: -0.3, 3: 0.4})(2) == 0.0  # never cheaper than one row
 
 
 def test_single_request_plan_is_exact_under_a_row_curve():
