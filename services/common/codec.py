@@ -10,7 +10,7 @@ from __future__ import annotations
 from services.common.hidden_states import HiddenStates
 from services.common.sampling import SamplingParams
 from services.common.tree import MAX_TREE_NODES, DraftTree
-from services.common.verdict import Verdict
+from services.common.verdict import TokenLogprob, Verdict
 from services.common.worker import StepOutput, WorkItem
 from specserve.v1 import common_pb2, draft_pb2, scheduler_pb2, verifier_pb2
 
@@ -20,6 +20,8 @@ def params_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
                                     top_k=p.top_k, stop=list(p.stop), ignore_eos=p.ignore_eos)
     if p.seed is not None:
         msg.seed = p.seed
+    if p.logprobs is not None:
+        msg.logprobs = p.logprobs
     return msg
 
 
@@ -28,7 +30,7 @@ def params_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
     p = SamplingParams(max_tokens=msg.max_tokens, temperature=float(msg.temperature),
                        top_p=float(msg.top_p) if msg.top_p else 1.0, top_k=msg.top_k,
                        seed=msg.seed if msg.HasField("seed") else None, stop=tuple(msg.stop),
-                       ignore_eos=msg.ignore_eos)
+                       ignore_eos=msg.ignore_eos, logprobs=msg.logprobs if msg.HasField("logprobs") else None)
     p.validate()
     return p
 
@@ -59,9 +61,18 @@ def states_from_pb(msg: common_pb2.HiddenStates) -> HiddenStates:
     return HiddenStates.from_bytes(msg.start, msg.rows, msg.width, msg.data)
 
 
+def logprobs_to_pb(logprobs: list[TokenLogprob]) -> list[common_pb2.TokenLogprob]:
+    return [common_pb2.TokenLogprob(token_id=t.token_id, logprob=t.logprob, top_ids=[i for i, _ in t.top],
+                                    top_logprobs=[v for _, v in t.top]) for t in logprobs]
+
+
+def logprobs_from_pb(msgs) -> list[TokenLogprob]:
+    return [TokenLogprob(m.token_id, m.logprob, list(zip(m.top_ids, m.top_logprobs))) for m in msgs]
+
+
 def verdict_to_pb(request_id: str, v: Verdict) -> verifier_pb2.Verdict:
     msg = verifier_pb2.Verdict(request_id=request_id, accepted_nodes=v.accepted_nodes, tokens=v.tokens,
-                               bonus=v.bonus)
+                               bonus=v.bonus, logprobs=logprobs_to_pb(v.logprobs or []))
     if v.states is not None:
         msg.states.CopyFrom(states_to_pb(v.states))
     return msg
@@ -69,7 +80,8 @@ def verdict_to_pb(request_id: str, v: Verdict) -> verifier_pb2.Verdict:
 
 def verdict_from_pb(msg: verifier_pb2.Verdict) -> Verdict:
     states = states_from_pb(msg.states) if msg.HasField("states") else None
-    return Verdict(list(msg.accepted_nodes), list(msg.tokens), msg.bonus, states)
+    logprobs = logprobs_from_pb(msg.logprobs) if msg.logprobs else None
+    return Verdict(list(msg.accepted_nodes), list(msg.tokens), msg.bonus, states, logprobs)
 
 
 def _common_item(it: WorkItem) -> dict:
@@ -146,9 +158,11 @@ DRAFT, VERIFIER = DraftCodec(), VerifierCodec()
 
 
 def generate_event(tokens: list[int], text: str, finish_reason: str = "", error: str = "",
-                   summary: dict | None = None) -> scheduler_pb2.GenerateEvent:
+                   summary: dict | None = None, logprobs: list[TokenLogprob] | None = None
+                   ) -> scheduler_pb2.GenerateEvent:
     """One event of a Generate stream; the last carries the finish reason and the usage."""
-    event = scheduler_pb2.GenerateEvent(token_ids=tokens, text=text, finish_reason=finish_reason, error=error)
+    event = scheduler_pb2.GenerateEvent(token_ids=tokens, text=text, finish_reason=finish_reason, error=error,
+                                        logprobs=logprobs_to_pb(logprobs or []))
     if summary is not None:
         s = summary
         event.usage.CopyFrom(scheduler_pb2.Usage(

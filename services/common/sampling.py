@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+MAX_LOGPROBS = 20  # most likely alternatives a request may ask for with each token's logprob
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -21,6 +23,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: no logprobs; n: each token's logprob and n alternatives
 
     @property
     def greedy(self) -> bool:
@@ -40,6 +43,9 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be a list of non-empty strings")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
 
 def make_generator(seed: int | None, stream: int) -> torch.Generator:

@@ -83,6 +83,7 @@ class Completion:
     token_ids: list[int]
     finish_reason: str
     usage: scheduler_pb2.Usage
+    logprobs: list | None = None  # TokenLogprob messages, one per token, when the request asked
 
 
 def event_error(event: scheduler_pb2.GenerateEvent) -> ApiError:
@@ -227,14 +228,17 @@ class Gateway:
         scheduler) if this task is."""
         text: list[str] = []
         ids: list[int] = []
+        logprobs = [] if request.params.HasField("logprobs") else None
         async with self.scheduler.stream(request, timeout) as events:
             async for event in events:
                 text.append(event.text)
                 ids.extend(event.token_ids)
+                if logprobs is not None:
+                    logprobs.extend(event.logprobs)
                 if event.finish_reason == "error":
                     raise event_error(event)
                 if event.finish_reason:
-                    return Completion("".join(text), ids, event.finish_reason, event.usage)
+                    return Completion("".join(text), ids, event.finish_reason, event.usage, logprobs)
         raise incomplete_stream()
 
     async def healthy(self) -> bool:

@@ -4,6 +4,10 @@ Parsing turns a decoded JSON body into an `ApiRequest` (or an `ApiError` 400 nam
 parameter); `OpenAIFormatter` builds `text_completion` / `chat.completion` objects and the
 streamed `text_completion` / `chat.completion.chunk` chunks. Nothing here does I/O.
 
+Logprobs (`logprobs` / `top_logprobs` on chat, `logprobs` on completions: at most 20 alternatives,
+as vLLM allows) are the target's log-probabilities under the request's sampling parameters (see
+services/verifier/logprobs.py); services/gateway/logprobs.py shapes them.
+
 Extensions beyond OpenAI: `top_k`, `ignore_eos`, `draft_length` and `tree_size` (fix the
 speculative draft length / tree budget for the request), `return_token_ids` (the output token
 ids in each choice), and speculative statistics in `usage` (steps, drafted_tokens,
@@ -14,12 +18,14 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from services.gateway.errors import ApiError, invalid
+from services.gateway.logprobs import TokenText, chat_logprobs, completion_logprobs
 from services.gateway.tokenization import check_messages
-from services.gateway.validation import Sampling, check_bool, check_int, parse_sampling
+from services.gateway.validation import MAX_LOGPROBS, Sampling, check_bool, check_int, parse_sampling
 
 SSE_DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -40,8 +46,6 @@ _OFF = {
     "presence_penalty": lambda v: v in (None, 0, 0.0),
     "frequency_penalty": lambda v: v in (None, 0, 0.0),
     "logit_bias": lambda v: v in (None, {}),
-    "logprobs": lambda v: v in (None, False),
-    "top_logprobs": lambda v: v in (None, 0),
     "echo": lambda v: v in (None, False),
     "best_of": lambda v: v in (None, 1),
     "suffix": lambda v: v in (None, ""),
@@ -97,9 +101,21 @@ def _common(body: dict[str, Any], kind: str, max_tokens_params: tuple[str, ...])
         if options.get("include_usage") is not None:
             include_usage = check_bool(options["include_usage"], "stream_options.include_usage")
     return_ids = body.get("return_token_ids")
+    if kind == "chat":  # logprobs is a switch there, and top_logprobs the number of alternatives
+        body = {**body, "logprobs": _chat_logprobs(body)}
     return dict(kind=kind, model=model, stream=stream, include_usage=include_usage,
                 return_token_ids=False if return_ids is None else check_bool(return_ids, "return_token_ids"),
                 sampling=parse_sampling(body, max_tokens_params=max_tokens_params))
+
+
+def _chat_logprobs(body: dict[str, Any]) -> int | None:
+    """Chat's `logprobs` (bool) and `top_logprobs` (0-20) as one number of alternatives, or None."""
+    on = False if body.get("logprobs") is None else check_bool(body["logprobs"], "logprobs")
+    top = 0 if body.get("top_logprobs") is None else check_int(body["top_logprobs"], "top_logprobs", 0,
+                                                               MAX_LOGPROBS)
+    if top and not on:
+        raise invalid("top_logprobs", "top_logprobs requires logprobs to be true")
+    return top if on else None
 
 
 def parse_completion(body: Any) -> ApiRequest:
@@ -168,27 +184,41 @@ def sse(obj: dict[str, Any]) -> bytes:
 
 @dataclass
 class OpenAIFormatter:
-    """Response objects and stream chunks of one request, in the OpenAI shapes."""
+    """Response objects and stream chunks of one request, in the OpenAI shapes. `token_text`
+    names tokens in logprobs (needed when the request asks for them)."""
 
     kind: str  # "completion" or "chat"
     request_id: str
     model: str
     include_usage: bool = False
     return_token_ids: bool = False
+    token_text: TokenText | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    text_offset: int = 0  # completions' logprobs: characters of the tokens already streamed
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
                 "choices": choices}
 
-    def response(self, text: str, token_ids: list[int], finish_reason: str, usage) -> dict[str, Any]:
+    def _logprobs(self, logprobs: Sequence | None) -> dict[str, Any] | None:
+        """The choice's logprobs for these tokens' TokenLogprob messages (None: not asked for)."""
+        if logprobs is None or self.token_text is None:
+            return None
+        if self.kind == "chat":
+            return chat_logprobs(logprobs, self.token_text)
+        out = completion_logprobs(logprobs, self.token_text, self.text_offset)
+        self.text_offset += sum(len(t) for t in out["tokens"])
+        return out
+
+    def response(self, text: str, token_ids: list[int], finish_reason: str, usage,
+                 logprobs: Sequence | None = None) -> dict[str, Any]:
         """The whole (non-streamed) `text_completion` or `chat.completion` object."""
         if self.kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": None, "finish_reason": finish_reason}
+                      "logprobs": self._logprobs(logprobs), "finish_reason": finish_reason}
             out = self._envelope("chat.completion", [choice])
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": text, "logprobs": self._logprobs(logprobs), "finish_reason": finish_reason}
             out = self._envelope("text_completion", [choice])
         if self.return_token_ids:
             choice["token_ids"] = list(token_ids)
@@ -196,15 +226,17 @@ class OpenAIFormatter:
         return out
 
     def _chunk(self, text: str | None, token_ids: list[int], finish_reason: str | None,
-               role: bool = False) -> dict[str, Any]:
+               role: bool = False, logprobs: Sequence | None = None) -> dict[str, Any]:
         if self.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None and (text or role):
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "delta": delta, "logprobs": self._logprobs(logprobs),
+                      "finish_reason": finish_reason}
             out = self._envelope("chat.completion.chunk", [choice])
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": text or "", "logprobs": self._logprobs(logprobs),
+                      "finish_reason": finish_reason}
             out = self._envelope("text_completion", [choice])
         if self.return_token_ids:
             choice["token_ids"] = list(token_ids)
@@ -217,11 +249,13 @@ class OpenAIFormatter:
         return [self._chunk("", [], None, role=True)] if self.kind == "chat" else []
 
     def event_chunks(self, event) -> list[dict[str, Any]]:
-        """Chunks for one scheduler GenerateEvent (none when it carries nothing to show)."""
+        """Chunks for one scheduler GenerateEvent (none when it carries nothing to show); its
+        tokens' logprobs go with it, even while a stop string holds its text back."""
         text, ids, finish = event.text, list(event.token_ids), event.finish_reason or None
-        if not (text or finish or (self.return_token_ids and ids)):
+        logprobs = list(event.logprobs) if event.logprobs else None
+        if not (text or finish or (ids and (self.return_token_ids or logprobs))):
             return []
-        return [self._chunk(text, ids, finish)]
+        return [self._chunk(text, ids, finish, logprobs=logprobs)]
 
     def usage_chunk(self, usage) -> dict[str, Any]:
         """The final chunk of a stream with stream_options.include_usage: no choices, usage."""

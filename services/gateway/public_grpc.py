@@ -44,6 +44,7 @@ def api_request(request: gateway_pb2.TextRequest) -> ApiRequest:
         "seed": p.seed if p.HasField("seed") else None,
         "stop": list(p.stop) or None,
         "ignore_eos": p.ignore_eos,
+        "logprobs": p.logprobs if p.HasField("logprobs") else None,
     }, default_temperature=0.0)
     if request.messages:
         messages = check_messages([{"role": m.role, "content": m.content} for m in request.messages])
@@ -104,7 +105,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
             done = await self.gateway.collect(scheduler_request, context.time_remaining())
             return gateway_pb2.TextResponse(id=scheduler_request.request_id, text=done.text,
                                             token_ids=done.token_ids, finish_reason=done.finish_reason,
-                                            usage=done.usage)
+                                            usage=done.usage, logprobs=done.logprobs or [])
         except ApiError as e:
             self.gateway.count_refusal(e)
             await context.abort(e.grpc_code, e.grpc_message, e.grpc_metadata())
@@ -125,7 +126,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
                         raise event_error(event)
                     if event.text or event.token_ids or event.finish_reason:
                         chunk = gateway_pb2.TextChunk(id=rid, text=event.text, token_ids=event.token_ids,
-                                                      finish_reason=event.finish_reason)
+                                                      finish_reason=event.finish_reason, logprobs=event.logprobs)
                         if event.finish_reason:
                             chunk.usage.CopyFrom(event.usage)
                         yield chunk

@@ -33,15 +33,15 @@ async def generate(gateway: Gateway, request: Request, limit: int,
     req = parse(await read_json(request, limit))
     request_id = gateway.new_request_id(prefix)
     scheduler_request = await gateway.prepare(req, request_id, principal_of(request))
-    fmt = OpenAIFormatter(req.kind, request_id, gateway.model_name,
-                          include_usage=req.include_usage, return_token_ids=req.return_token_ids)
+    fmt = OpenAIFormatter(req.kind, request_id, gateway.model_name, include_usage=req.include_usage,
+                          return_token_ids=req.return_token_ids, token_text=gateway.tokenizer.token_text)
     if not req.stream:
         started = time.perf_counter()
         done = await until_disconnect(request, gateway.collect(scheduler_request))
         if done is DISCONNECTED:
             return Response(status_code=CLIENT_CLOSED)
         log_done(request_id, done.finish_reason, done.usage, started)
-        return JSONResponse(fmt.response(done.text, done.token_ids, done.finish_reason, done.usage))
+        return JSONResponse(fmt.response(done.text, done.token_ids, done.finish_reason, done.usage, done.logprobs))
     # Wait for the first event before answering, so that a scheduler failure is still an
     # HTTP error status rather than an error inside a 200 stream.
     stream = gateway.stream(scheduler_request)

@@ -53,6 +53,10 @@ class PromptTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text as logprobs name it (special tokens included)."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
     def render_chat(self, messages: list[dict[str, str]], param: str = "messages") -> str:
         """The chat template applied to `messages` (dicts with role and content), ending with the
         assistant's generation prompt. A 400 when the model has no template or it refuses them."""

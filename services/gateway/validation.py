@@ -25,6 +25,7 @@ MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
 MAX_DRAFT_LENGTH = 64
 MAX_TREE_SIZE = 256  # the scheduler's limit on draft nodes per step
 MAX_JSON_DEPTH = 64  # nesting of arrays and objects in a request body (a chat body needs 4)
+MAX_LOGPROBS = 20  # alternatives per token (the workers' limit too: services/common/sampling.py)
 INT32 = 2**31  # top_k travels as a protobuf int32
 INT64 = 2**63
 
@@ -161,6 +162,7 @@ class Sampling:
     draft_length: int | None = None
     tree_size: int | None = None
     max_tokens_param: str = "max_tokens"
+    logprobs: int | None = None  # None: none; n: each token's logprob and its n most likely alternatives
 
     def to_proto(self, max_tokens: int) -> common_pb2.SamplingParams:
         params = common_pb2.SamplingParams(max_tokens=max_tokens, temperature=self.temperature,
@@ -168,12 +170,15 @@ class Sampling:
                                            ignore_eos=self.ignore_eos)
         if self.seed is not None:
             params.seed = self.seed
+        if self.logprobs is not None:
+            params.logprobs = self.logprobs
         return params
 
 
 def parse_sampling(body: Mapping[str, Any], *, default_temperature: float = 1.0,
                    max_tokens_params: tuple[str, ...] = ("max_tokens",)) -> Sampling:
-    """Validate the sampling fields of a request body (missing or null = default).
+    """Validate the sampling fields of a request body (missing or null = default); `logprobs` is
+    the number of alternatives (completions' meaning; chat's is read by openai_api.parse_chat).
 
     With several names for max_tokens (chat accepts max_completion_tokens too), the first one
     present wins.
@@ -199,6 +204,7 @@ def parse_sampling(body: Mapping[str, Any], *, default_temperature: float = 1.0,
         tree_size=(None if get("tree_size") is None
                    else check_int(get("tree_size"), "tree_size", 0, MAX_TREE_SIZE)),
         max_tokens_param=max_param,
+        logprobs=None if get("logprobs") is None else check_int(get("logprobs"), "logprobs", 0, MAX_LOGPROBS),
     )
 
 

@@ -332,7 +332,7 @@ class StepCore:
                 self.controller.observe_nodes(req.req_id, tree, confs[req.req_id], list(verdict.accepted_nodes))
             if verdict.states is not None:
                 req.states.append(verdict.states)
-            committed = req.commit(list(verdict.tokens), len(tree), len(verdict.accepted_nodes))
+            committed = req.commit(list(verdict.tokens), len(tree), len(verdict.accepted_nodes), verdict.logprobs)
             report.outcomes.append(Outcome(req, budgets.get(req.req_id, (0, 0))[0], tree, len(verdict.accepted_nodes),
                                            len(verdict.tokens), committed))
             out.append((req, committed))

@@ -63,7 +63,8 @@ class SchedulerLoop:
         text = req.detok.text if req.finished else req.detok.stable_text()
         finish = ("error" if req.error else req.finish_reason) if req.finished else ""
         live.events.put_nowait(codec.generate_event(tokens, text[live.emitted_chars:], finish or "", req.error,
-                                                    req.summary() if req.finished else None))
+                                                    req.summary() if req.finished else None,
+                                                    req.last_logprobs(len(tokens))))
         live.emitted_chars = len(text)
         if req.finished:
             self.lives.pop(req.req_id, None)

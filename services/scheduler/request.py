@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from services.common.detokenizer import Detokenizer
 from services.common.hidden_states import HiddenStates, join
 from services.common.sampling import SamplingParams
+from services.common.verdict import TokenLogprob
 
 
 @dataclass
@@ -31,6 +32,7 @@ class Request:
         self.prompt_ids = list(prompt_ids)
         self.params = params
         self.output_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] = []  # one per output token, when params.logprobs asks
         self.finish_reason: str | None = None  # "stop" (EOS or stop string), "length", "cancelled", "error"
         self.error = ""  # why it failed (finish_reason "error")
         self.unavailable = False  # failed for want of a worker replica (retryable elsewhere)
@@ -81,8 +83,10 @@ class Request:
         k = max(0, min(k, self.remaining() - 1))
         return k, (min(self.tree_size, 256) if k else 0)
 
-    def commit(self, tokens: list[int], drafted: int, accepted: int) -> list[int]:
-        """Commit one step's output tokens, stopping at EOS, a stop string or max_tokens.
+    def commit(self, tokens: list[int], drafted: int, accepted: int,
+               logprobs: list[TokenLogprob] | None = None) -> list[int]:
+        """Commit one step's output tokens (and their logprobs, when the verifier sent them),
+        stopping at EOS, a stop string or max_tokens.
 
         Returns the tokens actually committed (a prefix of `tokens`).
         """
@@ -103,7 +107,15 @@ class Request:
             if self.finished:
                 self.stats.finished_at = time.perf_counter()
                 break
+        if logprobs is not None:
+            self.logprobs.extend(logprobs[:len(committed)])
         return committed
+
+    def last_logprobs(self, n: int) -> list[TokenLogprob] | None:
+        """The logprobs of the last `n` output tokens (None when the request asks for none)."""
+        if self.params.logprobs is None:
+            return None
+        return self.logprobs[len(self.logprobs) - n:] if n else []
 
     def summary(self) -> dict:
         s = self.stats

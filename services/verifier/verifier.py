@@ -14,6 +14,7 @@ from services.common.sequence import Sequence
 from services.common.tree import DraftTree, forest_parents
 from services.common.verdict import Verdict
 from services.common.worker import StepWork, WorkItem
+from services.verifier.logprobs import token_logprobs
 from services.verifier.rejection import accept_greedy, accept_sampling
 
 CACHE_HEADROOM = 64  # slots allocated beyond a new request's tokens and tree (the cache grows)
@@ -63,6 +64,8 @@ class Verifier:
             else:
                 verdict = accept_sampling(it.tree, warp_probs(logits, p.temperature, p.top_k, p.top_p),
                                           it.seq.generator)
+            if p.logprobs is not None and not it.prefill:
+                verdict.logprobs = token_logprobs(logits, verdict, p)
             start = len(it.seq.cached)
             it.seq.cached = list(it.seq.tokens)  # the forward cached every pending token
             if it.state_layers:

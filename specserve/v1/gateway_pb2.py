@@ -26,7 +26,7 @@ from specserve.v1 import common_pb2 as specserve_dot_v1_dot_common__pb2
 from specserve.v1 import scheduler_pb2 as specserve_dot_v1_dot_scheduler__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecserve/v1/gateway.proto\x12\x0cspecserve.v1\x1a\x19specserve/v1/common.proto\x1a\x1cspecserve/v1/scheduler.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x87\x01\n\x0bTextRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12+\n\x08messages\x18\x03 \x03(\x0b\x32\x19.specserve.v1.ChatMessage\x12,\n\x06params\x18\x04 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\"v\n\x0cTextResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.specserve.v1.Usage\"s\n\tTextChunk\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.specserve.v1.Usage2\x97\x01\n\nGeneration\x12\x41\n\x08Generate\x12\x19.specserve.v1.TextRequest\x1a\x1a.specserve.v1.TextResponse\x12\x46\n\x0eGenerateStream\x12\x19.specserve.v1.TextRequest\x1a\x17.specserve.v1.TextChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecserve/v1/gateway.proto\x12\x0cspecserve.v1\x1a\x19specserve/v1/common.proto\x1a\x1cspecserve/v1/scheduler.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x87\x01\n\x0bTextRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12+\n\x08messages\x18\x03 \x03(\x0b\x32\x19.specserve.v1.ChatMessage\x12,\n\x06params\x18\x04 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\"\xa4\x01\n\x0cTextResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.specserve.v1.Usage\x12,\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1a.specserve.v1.TokenLogprob\"\xa1\x01\n\tTextChunk\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.specserve.v1.Usage\x12,\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1a.specserve.v1.TokenLogprob2\x97\x01\n\nGeneration\x12\x41\n\x08Generate\x12\x19.specserve.v1.TextRequest\x1a\x1a.specserve.v1.TextResponse\x12\x46\n\x0eGenerateStream\x12\x19.specserve.v1.TextRequest\x1a\x17.specserve.v1.TextChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,10 +37,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGE']._serialized_end=145
   _globals['_TEXTREQUEST']._serialized_start=148
   _globals['_TEXTREQUEST']._serialized_end=283
-  _globals['_TEXTRESPONSE']._serialized_start=285
-  _globals['_TEXTRESPONSE']._serialized_end=403
-  _globals['_TEXTCHUNK']._serialized_start=405
-  _globals['_TEXTCHUNK']._serialized_end=520
-  _globals['_GENERATION']._serialized_start=523
-  _globals['_GENERATION']._serialized_end=674
+  _globals['_TEXTRESPONSE']._serialized_start=286
+  _globals['_TEXTRESPONSE']._serialized_end=450
+  _globals['_TEXTCHUNK']._serialized_start=453
+  _globals['_TEXTCHUNK']._serialized_end=614
+  _globals['_GENERATION']._serialized_start=617
+  _globals['_GENERATION']._serialized_end=768
 # @@protoc_insertion_point(module_scope)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specserve.v1 import common_pb2 as specserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspecserve/v1/verifier.proto\x12\x0cspecserve.v1\x1a\x19specserve/v1/common.proto\"\xd1\x01\n\nVerifyItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x05\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12%\n\x04tree\x18\x04 \x01(\x0b\x32\x17.specserve.v1.DraftTree\x12,\n\x06params\x18\x05 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12\x13\n\x0btraceparent\x18\x06 \x01(\t\x12\x14\n\x0cstate_layers\x18\x07 \x03(\x05\x12\x0f\n\x07prefill\x18\x08 \x01(\x08\"W\n\nVerifyStep\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\'\n\x05items\x18\x02 \x03(\x0b\x32\x18.specserve.v1.VerifyItem\x12\x0f\n\x07release\x18\x03 \x03(\t\"\x95\x01\n\x07Verdict\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x61\x63\x63\x65pted_nodes\x18\x02 \x03(\x05\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12\r\n\x05\x62onus\x18\x04 \x01(\x08\x12\x13\n\x0bneed_resync\x18\x05 \x01(\x08\x12*\n\x06states\x18\x06 \x01(\x0b\x32\x1a.specserve.v1.HiddenStates\"r\n\x0cVerifyResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\'\n\x08verdicts\x18\x02 \x03(\x0b\x32\x15.specserve.v1.Verdict\x12(\n\x06timing\x18\x03 \x01(\x0b\x32\x18.specserve.v1.StepTiming2\xd6\x01\n\x0fVerifierService\x12\x42\n\x06Verify\x12\x18.specserve.v1.VerifyStep\x1a\x1a.specserve.v1.VerifyResult(\x01\x30\x01\x12=\n\x04Info\x12\x19.specserve.v1.InfoRequest\x1a\x1a.specserve.v1.InfoResponse\x12@\n\x05State\x12\x1a.specserve.v1.StateRequest\x1a\x1b.specserve.v1.StateResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspecserve/v1/verifier.proto\x12\x0cspecserve.v1\x1a\x19specserve/v1/common.proto\"\xd1\x01\n\nVerifyItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x05\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12%\n\x04tree\x18\x04 \x01(\x0b\x32\x17.specserve.v1.DraftTree\x12,\n\x06params\x18\x05 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12\x13\n\x0btraceparent\x18\x06 \x01(\t\x12\x14\n\x0cstate_layers\x18\x07 \x03(\x05\x12\x0f\n\x07prefill\x18\x08 \x01(\x08\"W\n\nVerifyStep\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\'\n\x05items\x18\x02 \x03(\x0b\x32\x18.specserve.v1.VerifyItem\x12\x0f\n\x07release\x18\x03 \x03(\t\"\xc3\x01\n\x07Verdict\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x61\x63\x63\x65pted_nodes\x18\x02 \x03(\x05\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12\r\n\x05\x62onus\x18\x04 \x01(\x08\x12\x13\n\x0bneed_resync\x18\x05 \x01(\x08\x12*\n\x06states\x18\x06 \x01(\x0b\x32\x1a.specserve.v1.HiddenStates\x12,\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1a.specserve.v1.TokenLogprob\"r\n\x0cVerifyResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\'\n\x08verdicts\x18\x02 \x03(\x0b\x32\x15.specserve.v1.Verdict\x12(\n\x06timing\x18\x03 \x01(\x0b\x32\x18.specserve.v1.StepTiming2\xd6\x01\n\x0fVerifierService\x12\x42\n\x06Verify\x12\x18.specserve.v1.VerifyStep\x1a\x1a.specserve.v1.VerifyResult(\x01\x30\x01\x12=\n\x04Info\x12\x19.specserve.v1.InfoRequest\x1a\x1a.specserve.v1.InfoResponse\x12@\n\x05State\x12\x1a.specserve.v1.StateRequest\x1a\x1b.specserve.v1.StateResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,9 +37,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_VERIFYSTEP']._serialized_start=284
   _globals['_VERIFYSTEP']._serialized_end=371
   _globals['_VERDICT']._serialized_start=374
-  _globals['_VERDICT']._serialized_end=523
-  _globals['_VERIFYRESULT']._serialized_start=525
-  _globals['_VERIFYRESULT']._serialized_end=639
-  _globals['_VERIFIERSERVICE']._serialized_start=642
-  _globals['_VERIFIERSERVICE']._serialized_end=856
+  _globals['_VERDICT']._serialized_end=569
+  _globals['_VERIFYRESULT']._serialized_start=571
+  _globals['_VERIFYRESULT']._serialized_end=685
+  _globals['_VERIFIERSERVICE']._serialized_start=688
+  _globals['_VERIFIERSERVICE']._serialized_end=902
 # @@protoc_insertion_point(module_scope)

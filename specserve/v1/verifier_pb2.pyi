@@ -38,20 +38,22 @@ class VerifyStep(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., items: _Optional[_Iterable[_Union[VerifyItem, _Mapping]]] = ..., release: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("request_id", "accepted_nodes", "tokens", "bonus", "need_resync", "states")
+    __slots__ = ("request_id", "accepted_nodes", "tokens", "bonus", "need_resync", "states", "logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_NODES_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     BONUS_FIELD_NUMBER: _ClassVar[int]
     NEED_RESYNC_FIELD_NUMBER: _ClassVar[int]
     STATES_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     accepted_nodes: _containers.RepeatedScalarFieldContainer[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     bonus: bool
     need_resync: bool
     states: _common_pb2.HiddenStates
-    def __init__(self, request_id: _Optional[str] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., bonus: _Optional[bool] = ..., need_resync: _Optional[bool] = ..., states: _Optional[_Union[_common_pb2.HiddenStates, _Mapping]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, request_id: _Optional[str] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., bonus: _Optional[bool] = ..., need_resync: _Optional[bool] = ..., states: _Optional[_Union[_common_pb2.HiddenStates, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
     __slots__ = ("step_id", "verdicts", "timing")

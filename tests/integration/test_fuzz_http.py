@@ -54,15 +54,17 @@ _COMMON = {  # valid values of the fields completions and chat share
     "stop": st.text(min_size=1, max_size=4) | st.lists(st.text(min_size=1, max_size=4), max_size=4),
     "draft_length": st.integers(0, 64), "tree_size": st.integers(0, 256), "n": st.just(1),
     "model": st.sampled_from(["target", ""]), "return_token_ids": st.booleans(), "user": st.text(max_size=20),
-    "logit_bias": st.just({}), "logprobs": st.just(False), "max_tokens": st.integers(1, 8),
+    "logit_bias": st.just({}), "max_tokens": st.integers(1, 8),
 }
 VALID = {  # each route's fields and valid values for them (max_tokens <= 8: cheap to serve)
     "/v1/completions": {**_COMMON, "prompt": st.text(min_size=1, max_size=40) | st.sampled_from(["w5", ["w5 w6"]])
                         | st.lists(st.integers(0, 63), min_size=1, max_size=8), "echo": st.just(False),
+                        "logprobs": st.none() | st.integers(0, 20),
                         "best_of": st.just(1), "suffix": st.just("")},
     "/v1/chat/completions": {**_COMMON, "messages": _MESSAGES, "max_completion_tokens": st.integers(1, 8),
                              "tools": st.just([]), "tool_choice": st.just("none"),
                              "response_format": st.just({"type": "text"}), "top_logprobs": st.just(0),
+                             "logprobs": st.booleans(),
                              "metadata": st.dictionaries(st.text(max_size=5), st.text(max_size=5), max_size=2)},
     "/infer": {"input": st.text(min_size=1, max_size=40), "max_length": st.integers(1, 8)},
 }

@@ -53,7 +53,9 @@ def err(fn, body) -> ApiError:
     ({"prompt": "x", "tree_size": 257}, "tree_size"),
     ({"prompt": "x", "ignore_eos": "no"}, "ignore_eos"),
     ({"prompt": "x", "model": 3}, "model"),
-    ({"prompt": "x", "logprobs": 3}, "logprobs"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"prompt": "x", "logprobs": True}, "logprobs"),
+    ({"prompt": "x", "logprobs": -1}, "logprobs"),
     ({"prompt": "x", "echo": True}, "echo"),
     ({"prompt": "x", "best_of": 3}, "best_of"),
     ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
@@ -80,6 +82,9 @@ def test_bad_completion_parameters_are_400_naming_the_parameter(body, param):
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -1}, "max_completion_tokens"),
     ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
     ({"messages": [{"role": "user", "content": "hi"}], "prompt": "x"}, "prompt"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": 1}, "logprobs"),
 ])
 def test_bad_chat_parameters_are_400_naming_the_parameter(body, param):
     e = err(parse_chat, body)
