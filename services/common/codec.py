@@ -158,11 +158,12 @@ DRAFT, VERIFIER = DraftCodec(), VerifierCodec()
 
 
 def generate_event(tokens: list[int], text: str, finish_reason: str = "", error: str = "",
-                   summary: dict | None = None, logprobs: list[TokenLogprob] | None = None
+                   summary: dict | None = None, logprobs: list[TokenLogprob] | None = None, index: int = 0
                    ) -> scheduler_pb2.GenerateEvent:
-    """One event of a Generate stream; the last carries the finish reason and the usage."""
+    """One event of a Generate stream (of sample `index`); a sample's last carries its finish
+    reason and usage."""
     event = scheduler_pb2.GenerateEvent(token_ids=tokens, text=text, finish_reason=finish_reason, error=error,
-                                        logprobs=logprobs_to_pb(logprobs or []))
+                                        logprobs=logprobs_to_pb(logprobs or []), index=index)
     if summary is not None:
         s = summary
         event.usage.CopyFrom(scheduler_pb2.Usage(

@@ -45,6 +45,18 @@ class KVCache:
             new[:, :, : self.length] = old[:, :, : self.length]
             setattr(self, name, new)
 
+    @torch.inference_mode()
+    def fork(self, length: int, capacity: int) -> "KVCache":
+        """A new cache holding a copy of this one's first `length` slots, room for `capacity`."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot fork {length} slots of a cache of length {self.length}")
+        layers, kv_heads, _, head_dim = self.k.shape
+        out = KVCache(layers, kv_heads, head_dim, max(capacity, length), self.k.dtype, self.k.device)
+        out.k[:, :, :length] = self.k[:, :, :length]
+        out.v[:, :, :length] = self.v[:, :, :length]
+        out.length = length
+        return out
+
     def truncate(self, length: int) -> None:
         """Roll back to the first `length` slots."""
         if not 0 <= length <= self.length:

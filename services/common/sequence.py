@@ -64,6 +64,26 @@ class Sequence:
     def nbytes(self) -> int:
         return self.cache.nbytes() if self.cache is not None else 0
 
+    def share_prefix(self, others, capacity: int) -> bool:
+        """Give this sequence, which has no cache yet, a copy of the KV of the longest prefix of
+        its tokens that another sequence holds (the other samples of one prompt, n > 1; a shared
+        system prompt): copied, not recomputed (its last token stays out, as `sync` leaves it).
+        False when none shares a token. Only for caches whose slots hold `cached`, in order."""
+        best, donor = 0, None
+        for other in others:
+            if other is self or other.cache is None:
+                continue
+            n, limit = 0, min(len(other.cached), len(self.tokens) - 1)
+            while n < limit and other.cached[n] == self.tokens[n]:
+                n += 1
+            if n > best:
+                best, donor = n, other
+        if donor is None:
+            return False
+        self.cache = donor.cache.fork(best, capacity)
+        self.cached = donor.cached[:best]
+        return True
+
 
 class Sequences:
     """A worker's sequences by request id; `random_stream` tells the draft's (0) and the

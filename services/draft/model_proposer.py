@@ -57,12 +57,17 @@ class ModelProposer(Proposer):
         state = self.guard.state() if self.guard is not None else {"mode": "slim", "fallbacks": 0}
         return {**state, "kept": int(self.slim.kept.numel())}
 
-    def _sync(self, item: ProposeItem) -> list[int]:
+    def _new_cache(self, seq: Sequence, others: list[Sequence], room: int) -> None:
+        """A new request's cache: a copy of the prefix another request of the step holds, if any."""
+        if not seq.share_prefix(others, room):
+            seq.cache = self.model.new_cache(room)
+
+    def _sync(self, item: ProposeItem, others: list[Sequence]) -> list[int]:
         """Bring the request's cache up to its committed tokens: keep the KV of the previous
         tree's path that the new committed tokens walk down. Returns the tokens to feed."""
         seq = item.seq
         if seq.cache is None:
-            seq.cache = self.model.new_cache(len(seq.tokens) + 2 * item.tree_size + 64)
+            self._new_cache(seq, others, len(seq.tokens) + 2 * item.tree_size + 64)
         last, seq.scratch = seq.scratch, None
         if seq.sync():  # stale (or nothing new): the tree's KV went with the rollback
             last = None
@@ -86,7 +91,7 @@ class ModelProposer(Proposer):
         for i, it in enumerate(items):
             if it.draft_length <= 0 or it.tree_size <= 0:
                 continue
-            pending = self._sync(it)
+            pending = self._sync(it, [x.seq for x in items])
             it.seq.scratch = _Drafted(trees[i], use_slim)
             works.append(Growth(it, trees[i], max(1, math.ceil(it.tree_size / it.draft_length)), [(-1, 1.0)]))
             chunks.append(Chunk(it.seq.cache, pending, list(range(-1, len(pending) - 1)),
@@ -119,7 +124,7 @@ class ModelProposer(Proposer):
         chunks = []
         for seq in seqs:
             if seq.cache is None:
-                seq.cache = self.model.new_cache(len(seq.tokens) + 64)
+                self._new_cache(seq, seqs, len(seq.tokens) + 64)
             seq.scratch = None
             seq.sync()
             pending = seq.tokens[len(seq.cached):]

@@ -200,7 +200,7 @@ class Gateway:
         max_tokens = fit_max_tokens(s, len(ids), self.context_length, self.config.default_max_tokens,
                                     req.prompt_param)
         out = scheduler_pb2.GenerateRequest(request_id=request_id, prompt_ids=ids,
-                                            params=s.to_proto(max_tokens))
+                                            params=s.to_proto(max_tokens), n=req.n)
         if s.draft_length is not None:
             out.draft_length = s.draft_length
         if s.tree_size is not None:
@@ -216,29 +216,35 @@ class Gateway:
             out.request_class = principal.subject
         if self.limiter is not None:
             subject = principal.subject if principal is not None else "anonymous"
-            await self.limiter.admit(subject, len(out.prompt_ids) + out.params.max_tokens,
+            await self.limiter.admit(subject, len(out.prompt_ids) + req.n * out.params.max_tokens,
                                      req.sampling.max_tokens_param)
         return out
 
     def stream(self, request: scheduler_pb2.GenerateRequest, timeout: float | None = None) -> SchedulerStream:
         return self.scheduler.stream(request, timeout)
 
-    async def collect(self, request: scheduler_pb2.GenerateRequest, timeout: float | None = None) -> Completion:
-        """Run a request to the end (within `timeout` seconds when given); cancelled (also on the
-        scheduler) if this task is."""
-        text: list[str] = []
-        ids: list[int] = []
-        logprobs = [] if request.params.HasField("logprobs") else None
+    async def collect(self, request: scheduler_pb2.GenerateRequest, timeout: float | None = None
+                      ) -> list[Completion]:
+        """Run a request to the end (within `timeout` seconds when given): one Completion per
+        sample; cancelled (also on the scheduler) if this task is."""
+        n = max(1, request.n)
+        text: list[list[str]] = [[] for _ in range(n)]
+        ids: list[list[int]] = [[] for _ in range(n)]
+        logprobs = [[] if request.params.HasField("logprobs") else None for _ in range(n)]
+        done: dict[int, Completion] = {}
         async with self.scheduler.stream(request, timeout) as events:
             async for event in events:
-                text.append(event.text)
-                ids.extend(event.token_ids)
-                if logprobs is not None:
-                    logprobs.extend(event.logprobs)
+                i = event.index
+                text[i].append(event.text)
+                ids[i].extend(event.token_ids)
+                if logprobs[i] is not None:
+                    logprobs[i].extend(event.logprobs)
                 if event.finish_reason == "error":
                     raise event_error(event)
                 if event.finish_reason:
-                    return Completion("".join(text), ids, event.finish_reason, event.usage, logprobs)
+                    done[i] = Completion("".join(text[i]), ids[i], event.finish_reason, event.usage, logprobs[i])
+                    if len(done) == n:
+                        return [done[j] for j in range(n)]
         raise incomplete_stream()
 
     async def healthy(self) -> bool:

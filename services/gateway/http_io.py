@@ -20,7 +20,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from services.gateway.core import Gateway, Slot, event_error, incomplete_stream
 from services.gateway.errors import ApiError
-from services.gateway.openai_api import SSE_DONE, SSE_HEADERS, SSE_MEDIA_TYPE, OpenAIFormatter, sse
+from services.gateway.openai_api import SSE_DONE, SSE_HEADERS, SSE_MEDIA_TYPE, OpenAIFormatter, sse, total_usage
 from services.gateway.scheduler_client import SchedulerStream
 from services.gateway.validation import check_json_depth, too_deep
 
@@ -115,6 +115,7 @@ async def sse_body(first, stream: SchedulerStream, fmt: OpenAIFormatter) -> Asyn
     """The SSE frames of one request: chunks as events arrive, an optional usage chunk, and
     `data: [DONE]`. A failure after the stream started is sent as an error object, then [DONE]."""
     started = time.perf_counter()
+    usages = {}  # sample index -> its usage, once finished
     try:
         async with stream:
             for chunk in fmt.start_chunks():
@@ -127,9 +128,12 @@ async def sse_body(first, stream: SchedulerStream, fmt: OpenAIFormatter) -> Asyn
                 for chunk in fmt.event_chunks(event):
                     yield sse(chunk)
                 if event.finish_reason:
+                    usages[event.index] = event.usage
+                if len(usages) == fmt.n:
+                    usage = total_usage([usages[i] for i in range(fmt.n)])
                     if fmt.include_usage:
-                        yield sse(fmt.usage_chunk(event.usage))
-                    log_done(fmt.request_id, event.finish_reason, event.usage, started)
+                        yield sse(fmt.usage_chunk(usage))
+                    log_done(fmt.request_id, event.finish_reason, usage, started)
                     break
                 try:
                     event = await stream.__anext__()

@@ -26,6 +26,9 @@ from services.gateway.errors import ApiError, invalid
 from services.gateway.logprobs import TokenText, chat_logprobs, completion_logprobs
 from services.gateway.tokenization import check_messages
 from services.gateway.validation import MAX_LOGPROBS, Sampling, check_bool, check_int, parse_sampling
+from specserve.v1 import scheduler_pb2
+
+MAX_N = 16  # samples per request (the scheduler's limit too: services/scheduler/loop.py)
 
 SSE_DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -69,6 +72,7 @@ class ApiRequest:
     include_usage: bool = False
     return_token_ids: bool = False
     prompt_param: str = "prompt"  # the body field holding the prompt (for error messages)
+    n: int = 1  # samples of the prompt (choices)
 
 
 def _check_fields(body: Any, allowed: set[str]) -> dict[str, Any]:
@@ -88,8 +92,7 @@ def _common(body: dict[str, Any], kind: str, max_tokens_params: tuple[str, ...])
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise invalid("model", "model must be a string", "invalid_type")
-    if body.get("n") is not None and check_int(body["n"], "n", lo=1) != 1:
-        raise invalid("n", "only n=1 is supported")
+    n = 1 if body.get("n") is None else check_int(body["n"], "n", lo=1, hi=MAX_N)
     stream = False if body.get("stream") is None else check_bool(body["stream"], "stream")
     include_usage = False
     options = body.get("stream_options")
@@ -103,7 +106,7 @@ def _common(body: dict[str, Any], kind: str, max_tokens_params: tuple[str, ...])
     return_ids = body.get("return_token_ids")
     if kind == "chat":  # logprobs is a switch there, and top_logprobs the number of alternatives
         body = {**body, "logprobs": _chat_logprobs(body)}
-    return dict(kind=kind, model=model, stream=stream, include_usage=include_usage,
+    return dict(kind=kind, model=model, stream=stream, include_usage=include_usage, n=n,
                 return_token_ids=False if return_ids is None else check_bool(return_ids, "return_token_ids"),
                 sampling=parse_sampling(body, max_tokens_params=max_tokens_params))
 
@@ -177,6 +180,21 @@ def usage_dict(usage) -> dict[str, Any]:
     }
 
 
+def total_usage(usages: list[scheduler_pb2.Usage]) -> scheduler_pb2.Usage:
+    """The usage of a request's n samples together: the prompt once, everything else summed."""
+    if len(usages) == 1:
+        return usages[0]
+    out = scheduler_pb2.Usage(prompt_tokens=usages[0].prompt_tokens)
+    for u in usages:
+        out.completion_tokens += u.completion_tokens
+        out.steps += u.steps
+        out.drafted_tokens += u.drafted_tokens
+        out.accepted_tokens += u.accepted_tokens
+    out.mean_accepted_length = out.completion_tokens / out.steps if out.steps else 0.0
+    out.acceptance_rate = out.accepted_tokens / out.drafted_tokens if out.drafted_tokens else 0.0
+    return out
+
+
 def sse(obj: dict[str, Any]) -> bytes:
     """One server-sent event carrying a JSON object."""
     return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
@@ -184,8 +202,8 @@ def sse(obj: dict[str, Any]) -> bytes:
 
 @dataclass
 class OpenAIFormatter:
-    """Response objects and stream chunks of one request, in the OpenAI shapes. `token_text`
-    names tokens in logprobs (needed when the request asks for them)."""
+    """Response objects and stream chunks of one request, in the OpenAI shapes: `n` choices, one
+    per sample. `token_text` names tokens in logprobs (needed when the request asks for them)."""
 
     kind: str  # "completion" or "chat"
     request_id: str
@@ -193,51 +211,55 @@ class OpenAIFormatter:
     include_usage: bool = False
     return_token_ids: bool = False
     token_text: TokenText | None = None
+    n: int = 1
     created: int = field(default_factory=lambda: int(time.time()))
-    text_offset: int = 0  # completions' logprobs: characters of the tokens already streamed
+    # completions' logprobs: per sample, the characters of the tokens already streamed
+    text_offset: dict[int, int] = field(default_factory=dict)
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
                 "choices": choices}
 
-    def _logprobs(self, logprobs: Sequence | None) -> dict[str, Any] | None:
+    def _logprobs(self, index: int, logprobs: Sequence | None) -> dict[str, Any] | None:
         """The choice's logprobs for these tokens' TokenLogprob messages (None: not asked for)."""
         if logprobs is None or self.token_text is None:
             return None
         if self.kind == "chat":
             return chat_logprobs(logprobs, self.token_text)
-        out = completion_logprobs(logprobs, self.token_text, self.text_offset)
-        self.text_offset += sum(len(t) for t in out["tokens"])
+        out = completion_logprobs(logprobs, self.token_text, self.text_offset.get(index, 0))
+        self.text_offset[index] = self.text_offset.get(index, 0) + sum(len(t) for t in out["tokens"])
         return out
 
-    def response(self, text: str, token_ids: list[int], finish_reason: str, usage,
-                 logprobs: Sequence | None = None) -> dict[str, Any]:
-        """The whole (non-streamed) `text_completion` or `chat.completion` object."""
+    def _choice(self, index: int, c) -> dict[str, Any]:
+        """One sample's whole choice (c: its gateway Completion)."""
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": self._logprobs(logprobs), "finish_reason": finish_reason}
-            out = self._envelope("chat.completion", [choice])
+            choice = {"index": index, "message": {"role": "assistant", "content": c.text}}
         else:
-            choice = {"index": 0, "text": text, "logprobs": self._logprobs(logprobs), "finish_reason": finish_reason}
-            out = self._envelope("text_completion", [choice])
+            choice = {"index": index, "text": c.text}
+        choice.update(logprobs=self._logprobs(index, c.logprobs), finish_reason=c.finish_reason)
         if self.return_token_ids:
-            choice["token_ids"] = list(token_ids)
-        out["usage"] = usage_dict(usage)
+            choice["token_ids"] = list(c.token_ids)
+        return choice
+
+    def response(self, completions: list) -> dict[str, Any]:
+        """The whole (non-streamed) `text_completion` or `chat.completion` object of the samples'
+        gateway Completions, usage summed."""
+        obj = "chat.completion" if self.kind == "chat" else "text_completion"
+        out = self._envelope(obj, [self._choice(i, c) for i, c in enumerate(completions)])
+        out["usage"] = usage_dict(total_usage([c.usage for c in completions]))
         return out
 
     def _chunk(self, text: str | None, token_ids: list[int], finish_reason: str | None,
-               role: bool = False, logprobs: Sequence | None = None) -> dict[str, Any]:
+               role: bool = False, logprobs: Sequence | None = None, index: int = 0) -> dict[str, Any]:
         if self.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None and (text or role):
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": self._logprobs(logprobs),
-                      "finish_reason": finish_reason}
-            out = self._envelope("chat.completion.chunk", [choice])
+            choice = {"index": index, "delta": delta}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": self._logprobs(logprobs),
-                      "finish_reason": finish_reason}
-            out = self._envelope("text_completion", [choice])
+            choice = {"index": index, "text": text or ""}
+        choice.update(logprobs=self._logprobs(index, logprobs), finish_reason=finish_reason)
+        out = self._envelope("chat.completion.chunk" if self.kind == "chat" else "text_completion", [choice])
         if self.return_token_ids:
             choice["token_ids"] = list(token_ids)
         if self.include_usage:
@@ -245,8 +267,8 @@ class OpenAIFormatter:
         return out
 
     def start_chunks(self) -> list[dict[str, Any]]:
-        """Chunks sent before any output: a chat stream opens with the assistant role."""
-        return [self._chunk("", [], None, role=True)] if self.kind == "chat" else []
+        """Chunks sent before any output: a chat stream opens each choice with the assistant role."""
+        return [self._chunk("", [], None, role=True, index=i) for i in range(self.n)] if self.kind == "chat" else []
 
     def event_chunks(self, event) -> list[dict[str, Any]]:
         """Chunks for one scheduler GenerateEvent (none when it carries nothing to show); its
@@ -255,7 +277,7 @@ class OpenAIFormatter:
         logprobs = list(event.logprobs) if event.logprobs else None
         if not (text or finish or (ids and (self.return_token_ids or logprobs))):
             return []
-        return [self._chunk(text, ids, finish, logprobs=logprobs)]
+        return [self._chunk(text, ids, finish, logprobs=logprobs, index=event.index)]
 
     def usage_chunk(self, usage) -> dict[str, Any]:
         """The final chunk of a stream with stream_options.include_usage: no choices, usage."""

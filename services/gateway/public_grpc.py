@@ -102,7 +102,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
         try:
             slot.acquire()
             scheduler_request = await self._prepare(request, context)
-            done = await self.gateway.collect(scheduler_request, context.time_remaining())
+            done = (await self.gateway.collect(scheduler_request, context.time_remaining()))[0]  # n = 1 here
             return gateway_pb2.TextResponse(id=scheduler_request.request_id, text=done.text,
                                             token_ids=done.token_ids, finish_reason=done.finish_reason,
                                             usage=done.usage, logprobs=done.logprobs or [])

@@ -15,7 +15,7 @@ from services.gateway.core import Gateway, Slot, event_error, incomplete_stream
 from services.gateway.http_auth import principal_of
 from services.gateway.http_io import (CLIENT_CLOSED, DISCONNECTED, EventStreamResponse, capped, log_done,
                                       read_json, sse_body, until_disconnect)
-from services.gateway.openai_api import OpenAIFormatter
+from services.gateway.openai_api import OpenAIFormatter, total_usage
 from services.gateway.scheduler_client import SchedulerStream
 
 
@@ -34,14 +34,14 @@ async def generate(gateway: Gateway, request: Request, limit: int,
     request_id = gateway.new_request_id(prefix)
     scheduler_request = await gateway.prepare(req, request_id, principal_of(request))
     fmt = OpenAIFormatter(req.kind, request_id, gateway.model_name, include_usage=req.include_usage,
-                          return_token_ids=req.return_token_ids, token_text=gateway.tokenizer.token_text)
+                          return_token_ids=req.return_token_ids, token_text=gateway.tokenizer.token_text, n=req.n)
     if not req.stream:
         started = time.perf_counter()
         done = await until_disconnect(request, gateway.collect(scheduler_request))
         if done is DISCONNECTED:
             return Response(status_code=CLIENT_CLOSED)
-        log_done(request_id, done.finish_reason, done.usage, started)
-        return JSONResponse(fmt.response(done.text, done.token_ids, done.finish_reason, done.usage, done.logprobs))
+        log_done(request_id, done[-1].finish_reason, total_usage([c.usage for c in done]), started)
+        return JSONResponse(fmt.response(done))
     # Wait for the first event before answering, so that a scheduler failure is still an
     # HTTP error status rather than an error inside a 200 stream.
     stream = gateway.stream(scheduler_request)

@@ -24,6 +24,7 @@ async def infer_once(gateway: Gateway, request: Request, limit: int) -> Response
     done = await until_disconnect(request, gateway.collect(scheduler_request))
     if done is DISCONNECTED:
         return Response(status_code=CLIENT_CLOSED)
+    done = done[0]  # /infer asks for one sample
     latency_ms = (time.perf_counter() - started) * 1000
     log_done(scheduler_request.request_id, done.finish_reason, done.usage, started)
     return JSONResponse(openai_api.infer_response(done.text, latency_ms, done.usage))

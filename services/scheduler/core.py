@@ -117,9 +117,11 @@ class StepCore:
 
     # -- requests -------------------------------------------------------------------------------
     def submit(self, req_id: str, prompt_ids: list[int], params: SamplingParams, draft_length: int | None = None,
-               tree_size: int | None = None, request_class: str = "default") -> Request:
+               tree_size: int | None = None, request_class: str = "default", follows: str | None = None) -> Request:
         """Queue a request; ValueError for bad input (also one too large for the KV budget),
-        admission.Overloaded when the queue is full."""
+        admission.Overloaded when the queue is full. `follows`: a request submitted before with
+        the same prompt (another of n samples): this one starts once that one has its first token,
+        on its replicas, which then copy the prompt's KV instead of computing it again."""
         if req_id in self.by_id:
             raise ValueError(f"request id {req_id!r} is already running")
         self._check(prompt_ids, params, draft_length, tree_size)
@@ -131,6 +133,7 @@ class StepCore:
         tree = tree_size if tree_size is not None else (cfg.tree_size if cfg.tree_size is not None else most)
         req = Request(req_id, prompt_ids, params, self.target.tokenizer, self.target.eos_token_ids,
                       draft_length=most, tree_size=tree, fixed_k=fixed, request_class=request_class or "default")
+        req.follows = self.by_id.get(follows) if follows else None
         # The largest tree a step may give it: as asked, or what the controller may choose.
         max_tree = req.tree_size if fixed is not None else most * cfg.tree_width
         self.admission.enqueue(req_id, reservation(len(prompt_ids), params.max_tokens, min(max_tree, MAX_TREE_NODES)),
@@ -215,10 +218,10 @@ class StepCore:
         t1 = time.perf_counter()
         # A request cancelled while the draft worked is not verified: its release is on its way.
         layers = self.drafts.feature_layers if self.drafts is not None else ()
-        works = [Work(r.req_id, r.tokens, r.params, tree=trees.get(r.req_id), state_layers=layers)
+        works = [Work(r.req_id, r.tokens, r.params, tree=trees.get(r.req_id), state_layers=layers, near=r.near)
                  for r in decoding if not r.finished]
         works += [Work(r.req_id, r.tokens[: r.prefilled + n], r.params, state_layers=layers,
-                       prefill=r.prefilled + n < len(r.prompt_ids)) for r, n in chunks]
+                       prefill=r.prefilled + n < len(r.prompt_ids), near=r.near) for r, n in chunks]
         verified = await self.verifiers.step(self.steps, works)
         t2 = time.perf_counter()
         report = StepReport(self.steps, len(batch), t0, t1, t2, decisions=decisions, chunks=[n for _, n in chunks])
@@ -254,8 +257,9 @@ class StepCore:
         return now - req.held_since < HOLD_WITHOUT_VERIFIER_S
 
     def _admit(self) -> list[Request]:
-        """First come, first served, within max_batch and the KV budget."""
-        while self.waiting and self.admission.admit(self.waiting[0].req_id):
+        """First come, first served, within max_batch and the KV budget (a request following
+        another waits for that one's first token, one step)."""
+        while self.waiting and self.waiting[0].may_start() and self.admission.admit(self.waiting[0].req_id):
             self.running.append(self.waiting.popleft())
         self.max_batch_seen = max(self.max_batch_seen, len(self.running))
         return list(self.running)
@@ -285,13 +289,13 @@ class StepCore:
         """The trees of the requests that draft this step, how many the draft was sent, and
         which of them it received from their first token (a prefill). The draft also takes the
         prompt chunks the verifier took last step (chunked prefill)."""
-        works = [Work(r.req_id, r.tokens, r.params, *budgets[r.req_id], states=r.take_states())
+        works = [Work(r.req_id, r.tokens, r.params, *budgets[r.req_id], states=r.take_states(), near=r.near)
                  for r in batch if budgets[r.req_id][0] > 0]
         chunks = [r for r in prompts if r.prefilled > r.draft_prefilled] if self.drafts is not None else []
         if not works and not chunks:
             return {}, 0, set()
         reply = await self.drafts.step(self.steps, works + [Work(r.req_id, r.tokens[: r.prefilled], r.params,
-                                                                 prefill=True) for r in chunks])
+                                                                 prefill=True, near=r.near) for r in chunks])
         for r in chunks:
             if r.req_id in reply.results:
                 r.draft_prefilled = r.prefilled

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from services.common import codec
 from services.common.metrics import SchedulerMetrics
@@ -21,15 +21,18 @@ from services.scheduler.request import Request
 log = logging.getLogger(__name__)
 
 HOLD_POLL_S = 0.1  # the pause between steps while every running request waits for a verifier
+MAX_N = 16  # samples of one prompt a request may ask for
 
 
 @dataclass
 class Live:
-    """A request plus what its client has been sent."""
+    """A request plus what its client has been sent; the n samples of one call share `events`
+    (each event names its sample's `index`)."""
 
     req: Request
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     emitted_chars: int = 0
+    index: int = 0
 
 
 class SchedulerLoop:
@@ -42,16 +45,31 @@ class SchedulerLoop:
         self.accepting = True
 
     def submit(self, req_id: str, prompt_ids: list[int], params: SamplingParams, draft_length: int | None = None,
-               tree_size: int | None = None, request_class: str = "default") -> Live:
-        """Queue a request; raises ValueError for bad input, Overloaded when the queue is full,
-        RuntimeError when shutting down."""
+               tree_size: int | None = None, request_class: str = "default", n: int = 1) -> list[Live]:
+        """Queue a request's n samples (n > 1: ids `req_id#i`, seeds seed + i, the later ones
+        following the first: core.submit); raises ValueError for bad input, Overloaded when the
+        queue is full, RuntimeError when shutting down (and queues none of them)."""
         if not self.accepting:
             self.core.admission.rejections["shutting_down"] += 1
             raise RuntimeError("scheduler is shutting down")
-        live = Live(self.core.submit(req_id, prompt_ids, params, draft_length, tree_size, request_class))
-        self.lives[req_id] = live
+        if not 1 <= n <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {n}")
+        ids = [req_id] if n == 1 else [f"{req_id}#{i}" for i in range(n)]
+        events: asyncio.Queue = asyncio.Queue()
+        lives: list[Live] = []
+        try:
+            for i, rid in enumerate(ids):
+                p = params if i == 0 or params.seed is None else replace(params, seed=params.seed + i)
+                req = self.core.submit(rid, prompt_ids, p, draft_length, tree_size, request_class,
+                                       follows=ids[0] if i else None)
+                lives.append(Live(req, events, index=i))
+        except BaseException:
+            for live in lives:
+                self.core.cancel(live.req.req_id)
+            raise
+        self.lives.update((live.req.req_id, live) for live in lives)
         self.wake.set()
-        return live
+        return lives
 
     def cancel(self, req_id: str) -> None:
         self.core.cancel(req_id)
@@ -64,7 +82,7 @@ class SchedulerLoop:
         finish = ("error" if req.error else req.finish_reason) if req.finished else ""
         live.events.put_nowait(codec.generate_event(tokens, text[live.emitted_chars:], finish or "", req.error,
                                                     req.summary() if req.finished else None,
-                                                    req.last_logprobs(len(tokens))))
+                                                    req.last_logprobs(len(tokens)), live.index))
         live.emitted_chars = len(text)
         if req.finished:
             self.lives.pop(req.req_id, None)

@@ -96,7 +96,9 @@ class ReplicaSet:
         self.assignment: dict[str, Replica] = {}
         self._turn = 0  # rotates the choice among equally loaded replicas
 
-    def assign(self, req_id: str) -> Replica | None:
+    def assign(self, req_id: str, near: str = "") -> Replica | None:
+        """The request's replica; a new one joins `near`'s when that is live (they share a
+        prompt), else the least loaded."""
         rep = self.assignment.get(req_id)
         if rep is not None and rep.live:
             return rep
@@ -106,10 +108,12 @@ class ReplicaSet:
         if not candidates:
             self.assignment.pop(req_id, None)
             return None
-        least = min(len(r.requests) for r in candidates)
-        tied = [r for r in candidates if len(r.requests) == least]
-        rep = tied[self._turn % len(tied)]
-        self._turn += 1
+        rep = self.assignment.get(near) if near else None
+        if rep is None or not rep.live:
+            least = min(len(r.requests) for r in candidates)
+            tied = [r for r in candidates if len(r.requests) == least]
+            rep = tied[self._turn % len(tied)]
+            self._turn += 1
         rep.requests.add(req_id)
         rep.sent.pop(req_id, None)
         self.assignment[req_id] = rep
@@ -146,7 +150,7 @@ class RemoteWorkers(Workers):
     async def step(self, step_id: int, works: list[Work]) -> Reply:
         reply, groups = Reply(), {}
         for w in works:
-            rep = self.replicas.assign(w.req_id)
+            rep = self.replicas.assign(w.req_id, w.near)
             if rep is None:
                 reply.unplaced.append(w.req_id)
             else:

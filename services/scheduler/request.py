@@ -52,10 +52,22 @@ class Request:
         # The target's states the verifier returned since the draft was last sent them (a
         # feature-level draft reads them; empty for the others).
         self.states: list[HiddenStates] = []
+        # Another request with the same prompt (n > 1): this one starts once that one has its
+        # first token, so the workers copy the prompt's KV (core.py, Sequence.share_prefix).
+        self.follows: Request | None = None
 
     def take_states(self) -> list[HiddenStates]:
         states, self.states = join(self.states), []
         return states
+
+    @property
+    def near(self) -> str:
+        """The request whose worker replicas this one should join (its prompt's KV is there)."""
+        return self.follows.req_id if self.follows is not None else ""
+
+    def may_start(self) -> bool:
+        f = self.follows
+        return f is None or f.finished or bool(f.output_ids)
 
     @property
     def tokens(self) -> list[int]:

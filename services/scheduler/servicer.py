@@ -31,11 +31,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         parent = extract_metadata(context.invocation_metadata())  # the gateway's span, if traced
         try:
             params = codec.params_from_pb(request.params)
-            live = self.loop.submit(
+            lives = self.loop.submit(
                 request.request_id, list(request.prompt_ids), params,
                 request.draft_length if request.HasField("draft_length") else None,
                 request.tree_size if request.HasField("tree_size") else None,
-                request_class=request.request_class or "default")
+                request_class=request.request_class or "default", n=request.n or 1)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except Overloaded as e:
@@ -43,31 +43,37 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                                 (("retry-after", str(max(1, math.ceil(e.retry_after_s)))),))
         except RuntimeError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e), (("retry-after", "1"),))
-        rid, spans = request.request_id, self.loop.spans
-        spans.start(rid, "scheduler.request", parent, attributes={
-            "specserve.prompt_tokens": len(request.prompt_ids), "specserve.max_tokens": request.params.max_tokens})
+        spans = self.loop.spans
+        for live in lives:
+            spans.start(live.req.req_id, "scheduler.request", parent, attributes={
+                "specserve.prompt_tokens": len(request.prompt_ids), "specserve.max_tokens": request.params.max_tokens})
         timer = RequestTimer(self.loop.metrics, len(request.prompt_ids))
         try:
-            sent = False
-            while True:
-                event = await live.events.get()
-                if live.req.unavailable and not sent:  # nothing streamed yet: the caller may retry elsewhere
+            sent, running = False, len(lives)
+            while running:
+                event = await lives[0].events.get()
+                if lives[event.index].req.unavailable and not sent:  # nothing streamed yet: the caller may retry
                     timer.event(0, "error")
                     await context.abort(grpc.StatusCode.UNAVAILABLE, event.error, (("retry-after", "1"),))
-                timer.event(len(event.token_ids), event.finish_reason)
+                running -= bool(event.finish_reason)
+                timer.event(len(event.token_ids), event.finish_reason if not running else "")
                 yield event
                 sent = True
-                if event.finish_reason:
-                    return
-        finally:  # finished, or the client went away: free the request everywhere
-            self.loop.cancel(rid)
+        finally:  # finished, or the client went away: free the requests everywhere
+            for live in lives:
+                self.loop.cancel(live.req.req_id)
             timer.end()
-            if rid in spans.spans:
-                s = live.req.stats
-                spans.end(rid, error="generation failed" if timer.finish_reason == "error" else "", attributes={
-                    "specserve.finish_reason": timer.finish_reason, "specserve.steps": s.steps,
-                    "specserve.completion_tokens": len(live.req.output_ids),
-                    "specserve.drafted_tokens": s.drafted, "specserve.accepted_tokens": s.accepted})
+            for live in lives:
+                self._end_span(live.req, timer.finish_reason)
+
+    def _end_span(self, req, finish_reason: str) -> None:
+        spans = self.loop.spans
+        if req.req_id in spans.spans:
+            s = req.stats
+            spans.end(req.req_id, error="generation failed" if finish_reason == "error" else "", attributes={
+                "specserve.finish_reason": finish_reason, "specserve.steps": s.steps,
+                "specserve.completion_tokens": len(req.output_ids),
+                "specserve.drafted_tokens": s.drafted, "specserve.accepted_tokens": s.accepted})
 
     async def Info(self, request, context):
         return self.info

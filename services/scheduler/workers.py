@@ -34,6 +34,7 @@ class Work:
     state_layers: tuple[int, ...] = ()  # verifier: return the states of these layers
     states: list[HiddenStates] = field(default_factory=list)  # draft: the target's states since last sent
     prefill: bool = False  # `tokens` is a prompt's prefix, to cache without verifying or proposing
+    near: str = ""  # a request whose replica this one joins when it has none yet (it shares its prompt)
 
 
 @dataclass

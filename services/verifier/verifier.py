@@ -46,7 +46,9 @@ class Verifier:
         for it in items:
             seq = it.seq
             if seq.cache is None:
-                seq.cache = self.model.new_cache(len(seq.tokens) + len(it.tree) + CACHE_HEADROOM)
+                room = len(seq.tokens) + len(it.tree) + CACHE_HEADROOM
+                if not seq.share_prefix((other.seq for other in items), room):
+                    seq.cache = self.model.new_cache(room)
             seq.sync()  # a request rebuilt from its committed tokens recomputes from the common prefix
             pending = seq.tokens[len(seq.cached):]  # at least the last committed token (the root)
             # A prompt chunk short of its end (chunked prefill) needs no logits: nothing is verified.

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specserve.v1 import common_pb2 as specserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecserve/v1/scheduler.proto\x12\x0cspecserve.v1\x1a\x19specserve/v1/common.proto\"\xd0\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12,\n\x06params\x18\x03 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12\x19\n\x0c\x64raft_length\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x16\n\ttree_size\x18\x05 \x01(\x05H\x01\x88\x01\x01\x12\x15\n\rrequest_class\x18\x06 \x01(\tB\x0f\n\r_draft_lengthB\x0c\n\n_tree_size\"\xb0\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\r\n\x05steps\x18\x03 \x01(\x05\x12\x16\n\x0e\x64rafted_tokens\x18\x04 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x05 \x01(\x05\x12\x1c\n\x14mean_accepted_length\x18\x06 \x01(\x02\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x07 \x01(\x02\"\xa8\x01\n\rGenerateEvent\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\"\n\x05usage\x18\x04 \x01(\x0b\x32\x13.specserve.v1.Usage\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12,\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1a.specserve.v1.TokenLogprob2\xdd\x01\n\x10SchedulerService\x12H\n\x08Generate\x12\x1d.specserve.v1.GenerateRequest\x1a\x1b.specserve.v1.GenerateEvent0\x01\x12=\n\x04Info\x12\x19.specserve.v1.InfoRequest\x1a\x1a.specserve.v1.InfoResponse\x12@\n\x05State\x12\x1a.specserve.v1.StateRequest\x1a\x1b.specserve.v1.StateResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecserve/v1/scheduler.proto\x12\x0cspecserve.v1\x1a\x19specserve/v1/common.proto\"\xdb\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12,\n\x06params\x18\x03 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12\x19\n\x0c\x64raft_length\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x16\n\ttree_size\x18\x05 \x01(\x05H\x01\x88\x01\x01\x12\x15\n\rrequest_class\x18\x06 \x01(\t\x12\t\n\x01n\x18\x07 \x01(\x05\x42\x0f\n\r_draft_lengthB\x0c\n\n_tree_size\"\xb0\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\r\n\x05steps\x18\x03 \x01(\x05\x12\x16\n\x0e\x64rafted_tokens\x18\x04 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x05 \x01(\x05\x12\x1c\n\x14mean_accepted_length\x18\x06 \x01(\x02\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x07 \x01(\x02\"\xb7\x01\n\rGenerateEvent\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\"\n\x05usage\x18\x04 \x01(\x0b\x32\x13.specserve.v1.Usage\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12,\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1a.specserve.v1.TokenLogprob\x12\r\n\x05index\x18\x07 \x01(\x05\x32\xdd\x01\n\x10SchedulerService\x12H\n\x08Generate\x12\x1d.specserve.v1.GenerateRequest\x1a\x1b.specserve.v1.GenerateEvent0\x01\x12=\n\x04Info\x12\x19.specserve.v1.InfoRequest\x1a\x1a.specserve.v1.InfoResponse\x12@\n\x05State\x12\x1a.specserve.v1.StateRequest\x1a\x1b.specserve.v1.StateResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,11 +33,11 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specserve.v1.scheduler_pb2'
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST']._serialized_start=74
-  _globals['_GENERATEREQUEST']._serialized_end=282
-  _globals['_USAGE']._serialized_start=285
-  _globals['_USAGE']._serialized_end=461
-  _globals['_GENERATEEVENT']._serialized_start=464
-  _globals['_GENERATEEVENT']._serialized_end=632
-  _globals['_SCHEDULERSERVICE']._serialized_start=635
-  _globals['_SCHEDULERSERVICE']._serialized_end=856
+  _globals['_GENERATEREQUEST']._serialized_end=293
+  _globals['_USAGE']._serialized_start=296
+  _globals['_USAGE']._serialized_end=472
+  _globals['_GENERATEEVENT']._serialized_start=475
+  _globals['_GENERATEEVENT']._serialized_end=658
+  _globals['_SCHEDULERSERVICE']._serialized_start=661
+  _globals['_SCHEDULERSERVICE']._serialized_end=882
 # @@protoc_insertion_point(module_scope)

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from services.gateway.auth import ApiKeys
-from services.gateway.core import GatewayConfig, input_limits, served_model_name
+from services.gateway.core import Completion, GatewayConfig, input_limits, served_model_name
 from services.gateway.errors import ApiError
 from services.gateway.openai_api import (OpenAIFormatter, parse_chat, parse_completion, parse_infer,
                                          sse, usage_dict)
@@ -44,7 +44,8 @@ def err(fn, body) -> ApiError:
     ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"prompt": "x", "stop": [""]}, "stop"),
     ({"prompt": "x", "stop": 3}, "stop"),
-    ({"prompt": "x", "n": 2}, "n"),
+    ({"prompt": "x", "n": 17}, "n"),
+    ({"prompt": "x", "n": 0}, "n"),
     ({"prompt": "x", "stream": "yes"}, "stream"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": "x", "stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
@@ -154,15 +155,31 @@ def test_usage_block_has_openai_counts_and_speculative_stats():
 
 
 def test_response_shapes():
-    comp = OpenAIFormatter("completion", "cmpl-1", "m", return_token_ids=True).response("hi", [4, 5], "stop", _usage())
+    comp = OpenAIFormatter("completion", "cmpl-1", "m", return_token_ids=True).response(
+        [Completion("hi", [4, 5], "stop", _usage())])
     assert comp["object"] == "text_completion" and comp["id"] == "cmpl-1" and comp["model"] == "m"
     assert comp["choices"] == [{"index": 0, "text": "hi", "logprobs": None, "finish_reason": "stop",
                                 "token_ids": [4, 5]}]
-    chat = OpenAIFormatter("chat", "chatcmpl-1", "m").response("hi", [4], "length", _usage())
+    chat = OpenAIFormatter("chat", "chatcmpl-1", "m").response([Completion("hi", [4], "length", _usage())])
     assert chat["object"] == "chat.completion"
     assert chat["choices"][0]["message"] == {"role": "assistant", "content": "hi"}
     assert chat["choices"][0]["finish_reason"] == "length" and "token_ids" not in chat["choices"][0]
     assert chat["usage"]["total_tokens"] == 7 and isinstance(chat["created"], int)
+
+
+def test_n_samples_are_n_choices_with_their_usage_summed_and_the_prompt_counted_once():
+    assert parse_chat({"messages": [{"role": "user", "content": "hi"}], "n": 16}).n == 16
+    samples = [Completion("a", [4], "stop", _usage()), Completion("bc", [5, 6], "length", _usage())]
+    out = OpenAIFormatter("chat", "chatcmpl-1", "m", n=2).response(samples)
+    assert [(c["index"], c["message"]["content"], c["finish_reason"]) for c in out["choices"]] == \
+        [(0, "a", "stop"), (1, "bc", "length")]
+    u = out["usage"]
+    assert (u["prompt_tokens"], u["completion_tokens"], u["total_tokens"], u["steps"]) == (3, 8, 11, 4)
+    assert u["mean_accepted_length"] == 2.0 and u["acceptance_rate"] == pytest.approx(4 / 12, abs=1e-4)
+    fmt = OpenAIFormatter("chat", "chatcmpl-1", "m", n=2)
+    assert [c["choices"][0]["index"] for c in fmt.start_chunks()] == [0, 1]
+    (chunk,) = fmt.event_chunks(scheduler_pb2.GenerateEvent(token_ids=[4], text="x", index=1))
+    assert chunk["choices"][0]["index"] == 1
 
 
 def test_sse_framing_of_chat_chunks():

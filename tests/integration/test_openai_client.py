@@ -1,7 +1,10 @@
-"""Logprobs through the real stack, driven by the official `openai` client: chat and completions,
-whole and streamed, and the public gRPC API. The stack's scheduler speculates (a draft model, trees
-of 5 nodes); its tokens and logprobs must equal the in-process engine's, and a plain engine's
-(no draft) too: speculation on or off gives the same values."""
+"""What OpenAI clients expect, through the real stack and the official `openai` client.
+
+Logprobs (chat and completions, whole and streamed, and the public gRPC API): the stack's
+scheduler speculates (a draft model, trees of 5 nodes); its tokens and logprobs must equal the
+in-process engine's, and a plain engine's (no draft) too: speculation on or off gives the same
+values. n samples: n choices, each the target's greedy output at temperature 0, distinct ones when
+sampling, usage counting them all."""
 
 from __future__ import annotations
 
@@ -97,10 +100,46 @@ def test_grpc_logprobs_equal_the_engine_s(stack):
         assert_same([(t.token_id, t.logprob, list(zip(t.top_ids, t.top_logprobs))) for t in got], want.logprobs)
 
 
+def test_n_greedy_samples_are_n_copies_of_the_engine_s_output(stack, client):
+    want = stack.engine_generate(PROMPTS[1], max_tokens=12)
+    got = client.completions.create(model=model_name(client), prompt=PROMPTS[1], max_tokens=12, n=3, temperature=0)
+    assert [c.index for c in got.choices] == [0, 1, 2]
+    assert [c.text for c in got.choices] == [want["text"]] * 3
+    assert got.usage.completion_tokens == 3 * len(want["token_ids"])
+    assert got.usage.prompt_tokens == len(stack.engine.tokenizer(PROMPTS[1], add_special_tokens=False)["input_ids"])
+
+
+def test_n_sampled_chat_streams_each_choice(stack, client):
+    kwargs = dict(model=model_name(client), messages=MESSAGES, max_tokens=10, n=4, seed=3, temperature=1.0)
+    whole = client.chat.completions.create(**kwargs)
+    texts = [c.message.content for c in whole.choices]
+    assert len(set(texts)) > 1  # samples of their own (seeds 3, 4, 5, 6)
+    streamed = {i: "" for i in range(4)}
+    finished = set()
+    for chunk in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs):
+        for c in chunk.choices:
+            streamed[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                finished.add(c.index)
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert finished == {0, 1, 2, 3} and [streamed[i] for i in range(4)] == texts  # the same seeds, the same text
+    assert usage.completion_tokens == whole.usage.completion_tokens
+    assert_nothing_held(stack)
+
+
+def assert_nothing_held(stack) -> None:
+    from tests.integration.test_gateway_api import scheduler_state
+
+    assert list(scheduler_state(stack).request_ids) == []
+
+
 @pytest.mark.parametrize("route,kwargs,param", [
     ("chat", dict(logprobs=True, top_logprobs=21), "top_logprobs"),
     ("chat", dict(top_logprobs=2), "top_logprobs"),
     ("completions", dict(logprobs=21), "logprobs"),
+    ("chat", dict(n=17), "n"),
+    ("completions", dict(n=0), "n"),
 ])
 def test_bad_logprobs_are_400_naming_the_parameter(client, route, kwargs, param):
     with pytest.raises(openai.BadRequestError) as e:
