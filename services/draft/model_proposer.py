@@ -119,12 +119,12 @@ class ModelProposer(Proposer):
                 logits = model.forward(chunks)  # [len(new), vocab or kept] each
         return trees
 
-    def prefill(self, seqs: list[Sequence]) -> None:
+    def prefill(self, seqs: list[Sequence], others: list[Sequence]) -> None:
         """Cache every token of each prompt chunk (no logits: nothing is drafted from it)."""
         chunks = []
         for seq in seqs:
             if seq.cache is None:
-                self._new_cache(seq, seqs, len(seq.tokens) + 64)
+                self._new_cache(seq, others, len(seq.tokens) + 64)
             seq.scratch = None
             seq.sync()
             pending = seq.tokens[len(seq.cached):]

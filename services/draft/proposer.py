@@ -33,9 +33,10 @@ class Proposer(ABC):
     def propose(self, items: list[ProposeItem]) -> list[DraftTree]:
         """One tree per item (empty when item.draft_length == 0)."""
 
-    def prefill(self, seqs: list[Sequence]) -> None:
+    def prefill(self, seqs: list[Sequence], others: list[Sequence]) -> None:
         """Take in a chunk of each sequence's prompt (chunked prefill; the sequence holds the
-        prompt so far). A proposer without a cache to fill has nothing to do."""
+        prompt so far); `others`: every sequence of the step (a new one may copy the prefix one
+        of them holds). A proposer without a cache to fill has nothing to do."""
 
 
 class ProposeWork(StepWork):
@@ -48,7 +49,7 @@ class ProposeWork(StepWork):
     def run(self, work: list[tuple[Sequence, WorkItem]]) -> list[DraftTree]:
         chunks = [seq for seq, it in work if it.prefill]
         if chunks:
-            self.proposer.prefill(chunks)
+            self.proposer.prefill(chunks, [seq for seq, _ in work])
         asked = [ProposeItem(seq, it.draft_length, it.tree_size, it.states) for seq, it in work if it.draft_length > 0]
         trees = iter(self.proposer.propose(asked) if asked else [])
         return [next(trees) if it.draft_length > 0 else DraftTree() for _, it in work]

@@ -230,7 +230,7 @@ class StepCore:
         joined = self.prefill.advance(chunks, verified)
         out = self._commit(decoding + joined, budgets, trees, confs, verified, report)
         if verified.results:  # a step no verifier took times nothing
-            self.prefill.observe(report.verify_ms, decoding, trees, chunks, verified.fresh)
+            self.prefill.observe(report.verify_ms, decoding, trees, verified.fresh)
         if self.controller is not None and report.outcomes:
             shape = StepShape(len(decoding), drafted, proposed[0], proposed[1],
                               verified=sum(len(t) for t in trees.values()))

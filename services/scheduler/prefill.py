@@ -23,6 +23,7 @@ def decode_rows(decoding: list[Request], trees: dict[str, DraftTree]) -> int:
 class Prefill:
     def __init__(self, budget: StepBudget):
         self.budget = budget
+        self.rows = 0  # verify rows of the last step's prompt chunks (`chunks`), for `observe`
 
     def split(self, batch: list[Request]) -> tuple[list[Request], list[Request]]:
         """(the requests that decode this step, those whose prompt joins in chunks). When nothing
@@ -61,26 +62,29 @@ class Prefill:
         """(request, prompt tokens to send this step), first come first served, within the budget
         the decode rows leave."""
         left = self.budget.prompt_rows(decode_rows(decoding, trees), len(decoding), spent_ms, waiting=len(prompts))
-        out = []
+        out, self.rows = [], 0
         for r in prompts:
             if r.finished:  # cancelled while the draft worked
                 continue
             n = len(r.prompt_ids) - r.prefilled
+            rows = 1 if r.copies_prompt() else n  # a copied prompt joins whole
             if left is not None:
-                n, left = min(n, left), left - min(n, left)
+                if rows > left:
+                    rows = n = left
+                left -= rows
             if n <= 0:
                 break
             out.append((r, n))
+            self.rows += rows
         return out
 
-    def observe(self, verify_ms: float, decoding: list[Request], trees: dict[str, DraftTree],
-                chunks: list[tuple[Request, int]], fresh: set[str]) -> None:
+    def observe(self, verify_ms: float, decoding: list[Request], trees: dict[str, DraftTree], fresh: set[str]) -> None:
         """Teach the budget the step's verify time: its decode rows, and its prompt rows (the
-        chunks, and the whole tokens of a request sent from its start)."""
+        chunks', and the whole tokens of a request sent from its start)."""
         rebuilt = [r for r in decoding if r.req_id in fresh]
         kept = [r for r in decoding if r.req_id not in fresh]
         self.budget.observe(verify_ms, decode_rows(kept, trees) + sum(len(trees.get(r.req_id, ())) for r in rebuilt),
-                            sum(n for _, n in chunks) + sum(len(r.tokens) for r in rebuilt))
+                            self.rows + sum(len(r.tokens) for r in rebuilt))
 
     def advance(self, chunks: list[tuple[Request, int]], verified: Reply) -> list[Request]:
         """Count the chunks the verifier took (one it did not take resends from the start); the

@@ -69,6 +69,12 @@ class Request:
         f = self.follows
         return f is None or f.finished or bool(f.output_ids)
 
+    def copies_prompt(self) -> bool:
+        """Its workers will copy its whole prompt's KV from the request it follows, which holds it
+        (so sending the prompt costs one verify row: its last token, for the root's logits)."""
+        f = self.follows
+        return self.prefilled == 0 and f is not None and not f.finished and not f.prefilling
+
     @property
     def tokens(self) -> list[int]:
         return self.prompt_ids + self.output_ids

@@ -57,6 +57,7 @@ def test_later_samples_copy_the_prompt_s_kv(models):
     mark = len(draft_rows)
     eng.step()  # the followers join: of their prompt, only the last token is fed (for the root's logits)
     assert len(rows[1]) == 3 and all(n <= 1 + 5 for n in rows[1][1:]), rows[1]  # <= 1 + a tree of 5
+    assert all(s.output_ids for s in samples)  # whole, in one step: a copied prompt costs one row
     eng.step()  # the draft takes them a step behind the verifier (they joined while another decoded)
     first = next(r for r in draft_rows[mark:] if len(r) == 3)
     assert first[1:] == [1, 1], draft_rows[mark:]  # their first output token; the prompt was copied
@@ -77,3 +78,24 @@ def test_sampled_samples_are_reproducible_by_seed(models):
     first = [s.output_ids for s in run_samples(engine(models), params)]
     again = [s.output_ids for s in run_samples(engine(models), params)]
     assert first == again and len({tuple(t) for t in first}) == 3
+
+
+def test_a_copied_prompt_joins_whole_within_a_row_budget(models):
+    """Chunked prefill prices a follower's prompt at one row (the rest is copied): with 4 rows a
+    step the first sample's 12-token prompt takes 3 steps, the followers' then one."""
+    target, _ = models
+    eng = Engine(target, None, StepConfig(draft_length=0, max_batch=4, max_step_tokens=4), warm_up=False)
+    rows = []
+    record_rows(eng.verifier.model, rows)
+    samples = [eng.core.submit(f"r#{i}", PROMPT, SamplingParams(max_tokens=6), follows="r#0" if i else None)
+               for i in range(3)]
+    steps = 0
+    while not samples[0].output_ids:
+        eng.step()
+        steps += 1
+    assert steps == 3
+    eng.step()
+    assert all(s.output_ids for s in samples) and rows[-1] == [1, 1, 1]  # the leader's token, the followers' last
+    while eng.has_work():
+        eng.step()
+    assert max(sum(r) for r in rows) <= 4
