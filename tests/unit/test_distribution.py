@@ -11,6 +11,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from services.common.kv_cache import KVCache
 from services.common.loading import load_model
 from services.common.sampling import SamplingParams, warp_probs
 from services.draft.model_proposer import ModelProposer
@@ -169,3 +170,26 @@ def test_same_seed_same_tokens(models):
         engine = Engine(models["target"], ModelProposer(models["close"].model, V), StepConfig(3, 6))
         outs.append(engine.generate([PROMPT], params)[0].output_ids)
     assert outs[0] == outs[1]
+
+
+def test_samples_that_copy_the_prompt_s_kv_match_the_exact_distribution(models, monkeypatch):
+    """n = 4 samples per prompt (the OpenAI `n`): the followers' workers copy the prompt's KV from
+    the first sample's (Sequence.share_prefix), and join whole under a row budget."""
+    forks = []
+    fork = KVCache.fork
+    monkeypatch.setattr(KVCache, "fork", lambda self, n, room: forks.append(n) or fork(self, n, room))
+    params = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)
+    engine = Engine(models["target"], make_proposer(models, "close"),
+                    StepConfig(draft_length=2, tree_size=5, max_batch=1000, max_step_tokens=1003))
+    reqs = [engine.core.submit(f"g{s // 4}#{s % 4}", PROMPT, SamplingParams(**{**params.__dict__, "seed": s}),
+                               follows=f"g{s // 4}#0" if s % 4 else None) for s in range(SAMPLES)]
+    while engine.has_work():
+        engine.step()
+    counts = np.zeros((V, V, V))
+    for r in reqs:
+        counts[tuple(r.output_ids)] += 1
+    assert_matches(counts, exact_distribution(models["hf"], params))
+    assert sum(r.stats.accepted for r in reqs) > 0
+    # the verifier copies at least the prompt but its last token for every follower (the draft
+    # takes them a step later, when here their first sample has finished its 3 tokens)
+    assert sum(n >= len(PROMPT) - 1 for n in forks) >= 3 * (SAMPLES // 4)
