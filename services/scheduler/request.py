@@ -66,6 +66,7 @@ class Request:
         return self.follows.req_id if self.follows is not None else ""
 
     def may_start(self) -> bool:
+        """Whether admission may start it: the request it follows has its first token (or ended)."""
         f = self.follows
         return f is None or f.finished or bool(f.output_ids)
 
