@@ -47,8 +47,7 @@ class RunningStack:
 
     def engine_generate_ids(self, prompt_ids: list[int], **sampling) -> dict:
         req = self.engine.generate([prompt_ids], SamplingParams(**sampling))[0]
-        return {"text": req.text, "token_ids": req.output_ids, "finish_reason": req.finish_reason,
-                "logprobs": req.logprobs}
+        return {"text": req.text, "token_ids": req.output_ids, "finish_reason": req.finish_reason}
 
     def engine_generate(self, prompt_text: str, **sampling) -> dict:
         ids = self.engine.tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
