@@ -47,6 +47,7 @@ async def _listen(args, role: str, pb2, service: str, add_servicer, servicer) ->
 
 
 async def serve_draft(args) -> None:
+    from services.common.constraint import Constraints
     from services.common.loading import load_model
     from services.common.metrics import CallbackCounter
     from services.draft.factory import build_proposer
@@ -75,13 +76,15 @@ async def serve_draft(args) -> None:
         CallbackCounter(metrics.registry, "specserve:slimspec_fallbacks",
                         "Switches of the draft from its SlimSpec head to the full head by the quality guard",
                         lambda: (slim_state() or {}).get("fallbacks", 0))
+    grammars = Constraints(target.tokenizer, target.config.vocab_size, target.eos_token_ids)
     servicer.bind(StepWorker(_worker_info("draft", target, args.device, proposer.name, proposer.feature_layers), 0,
-                             ProposeWork(proposer), metrics, thread))
+                             ProposeWork(proposer, grammars), metrics, thread))
     await server.ready()
     await server.run(float(args.grace_period))
 
 
 async def serve_verifier(args) -> None:
+    from services.common.constraint import Constraints
     from services.common.loading import load_model
     from services.verifier.verifier import Verifier, VerifyWork
     from specserve.v1 import verifier_pb2, verifier_pb2_grpc
@@ -92,7 +95,8 @@ async def serve_verifier(args) -> None:
     thread = model_thread("verifier")  # loads the model too (worker.py: one OpenMP thread team)
     target = await on_model_thread(thread, load_model, args.target, device=args.device, dtype=args.dtype,
                                    weight_format=args.weights)
-    verifier = await on_model_thread(thread, Verifier, target.model)
+    grammars = Constraints(target.tokenizer, target.config.vocab_size, target.eos_token_ids)
+    verifier = await on_model_thread(thread, Verifier, target.model, grammars)
     metrics = _worker_metrics("verifier", args)
     metrics.weight_bytes.set(target.model.weight_bytes())
     servicer.bind(StepWorker(_worker_info("verifier", target, args.device), 1, VerifyWork(verifier),
@@ -104,7 +108,7 @@ async def serve_verifier(args) -> None:
 LOCAL = "local"  # the --draft-addrs value that drafts (n-gram) in the scheduler's own process
 
 
-def _local_draft(info: common_pb2.InfoResponse):
+def _local_draft(info: common_pb2.InfoResponse, grammars):
     """An n-gram draft in the scheduler's process: it needs no weights and takes well under a
     millisecond, while the hop to a draft service and back costs a few (vLLM and SGLang also run
     n-gram lookup in their engine process). A failed step costs its trees, as a broken stream would."""
@@ -115,19 +119,19 @@ def _local_draft(info: common_pb2.InfoResponse):
     draft_info = common_pb2.InfoResponse(model=info.model, vocab_size=info.vocab_size,
                                          max_positions=info.max_positions, eos_token_ids=info.eos_token_ids,
                                          role="draft", proposer=NgramProposer.name, device="cpu")
-    worker = StepWorker(draft_info, 0, ProposeWork(NgramProposer()))
+    worker = StepWorker(draft_info, 0, ProposeWork(NgramProposer(), grammars))
     return LocalWorkers("draft", worker, contain_errors=True), NgramProposer.name
 
 
-async def _drafts(args, info: common_pb2.InfoResponse, spans, credentials=None):
-    """The scheduler's draft workers and the proposer's name."""
+async def _drafts(args, info: common_pb2.InfoResponse, spans, grammars, credentials=None):
+    """The scheduler's draft workers and the proposer's name (`grammars`: a local draft's)."""
     from services.scheduler.replicas import RemoteWorkers
 
     addrs = split_addrs(args.draft_addrs)
     if LOCAL in addrs:
         if len(addrs) > 1:
             raise ValueError(f"--draft-addrs {LOCAL} drafts in the scheduler; it takes no other replica")
-        return _local_draft(info)
+        return _local_draft(info, grammars)
     drafts = RemoteWorkers("draft", addrs, spans, credentials)
     try:
         draft_info = await drafts.info()
@@ -151,6 +155,7 @@ def _step_config(args):
 async def serve_scheduler(args) -> None:
     from transformers import AutoTokenizer
 
+    from services.common.constraint import Constraints
     from services.common.loading import resolve_checkpoint
     from services.common.tracing import RequestSpans
     from services.scheduler.core import StepCore, Target
@@ -168,13 +173,14 @@ async def serve_scheduler(args) -> None:
     spans = RequestSpans("specserve.scheduler")  # the servicer opens each request's span
     verifiers = RemoteWorkers("verifier", split_addrs(args.verifier_addrs), spans, tls.channel_credentials())
     info = await verifiers.info()  # the target's facts come from a verifier
-    drafts, draft_name = await _drafts(args, info, spans, tls.channel_credentials())
     tokenizer = AutoTokenizer.from_pretrained(resolve_checkpoint(args.target))
     eos = set(info.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+    grammars = Constraints(tokenizer, info.vocab_size, tuple(sorted(eos)))
+    drafts, draft_name = await _drafts(args, info, spans, grammars, tls.channel_credentials())
     pair = f"{args.target}|{draft_name}"
     priors = Priors(args.redis_url, pair)
     metrics = SchedulerMetrics(Registry("scheduler"))
-    target = Target(tokenizer, tuple(sorted(eos)), info.max_positions, info.vocab_size, info.route_rows)
+    target = Target(tokenizer, tuple(sorted(eos)), info.max_positions, info.vocab_size, info.route_rows, grammars)
     core = StepCore(_step_config(args), target, verifiers, drafts, priors,
                     [MetricsObserver(metrics), SpansObserver(spans)])
     loop = SchedulerLoop(core, metrics, spans)

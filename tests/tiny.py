@@ -28,14 +28,36 @@ def make_tokenizer(vocab_size: int, rename: dict[int, str] | None = None):
     return fast
 
 
+def make_byte_tokenizer(vocab_size: int, merges: tuple[str, ...] = ()):
+    """A byte-level BPE tokenizer (as GPT-2's and SmolLM2's): three specials, the 256 bytes, then
+    one token per merged pair in `merges` (two-character strings), padded to `vocab_size` with
+    tokens no text produces. Any text encodes; the grammar engine reads it (structured outputs)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = SPECIALS + sorted(pre_tokenizers.ByteLevel.alphabet())
+    pairs = [(m[0], m[1]) for m in merges]
+    words += [a + b for a, b in pairs]
+    words += [f"<unused{i}>" for i in range(vocab_size - len(words))]
+    assert len(words) == vocab_size, f"a byte-level vocabulary needs at least {len(SPECIALS) + 256 + len(pairs)} ids"
+    tok = Tokenizer(models.BPE({w: i for i, w in enumerate(words)}, pairs, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    return fast
+
+
 def make_checkpoint(path: Path, model_type: str = "llama", vocab_size: int = 64, seed: int = 0,
                     hidden: int = 32, layers: int = 2, heads: int = 4, kv_heads: int = 2,
                     init_std: float = 0.3, max_positions: int = 256, noise_from: Path | None = None,
-                    noise_std: float = 0.0, rename: dict[int, str] | None = None, **extra) -> Path:
+                    noise_std: float = 0.0, rename: dict[int, str] | None = None,
+                    merges: tuple[str, ...] | None = None, **extra) -> Path:
     """Save a random model of `model_type` (llama, qwen2, qwen3, mistral) into `path`.
 
     With `noise_from`, start from that checkpoint's weights plus Gaussian noise (a draft that
-    agrees with its target often but not always).
+    agrees with its target often but not always). With `merges`, the tokenizer is byte-level
+    (make_byte_tokenizer) instead of word-level.
     """
     import transformers as tf
 
@@ -62,7 +84,8 @@ def make_checkpoint(path: Path, model_type: str = "llama", vocab_size: int = 64,
                 elif name.endswith("norm.weight"):
                     p.normal_(1.0, 0.2)
     model.save_pretrained(path, safe_serialization=True)
-    make_tokenizer(vocab_size, rename).save_pretrained(path)
+    tokenizer = make_tokenizer(vocab_size, rename) if merges is None else make_byte_tokenizer(vocab_size, merges)
+    tokenizer.save_pretrained(path)
     return path
 
 

@@ -7,6 +7,7 @@ builds its result. `generate_event` builds the scheduler's events for the gatewa
 
 from __future__ import annotations
 
+from services.common.grammar import Grammar
 from services.common.hidden_states import HiddenStates
 from services.common.sampling import SamplingParams
 from services.common.tree import MAX_TREE_NODES, DraftTree
@@ -22,6 +23,8 @@ def params_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
         msg.seed = p.seed
     if p.logprobs is not None:
         msg.logprobs = p.logprobs
+    if p.grammar is not None:
+        msg.grammar.CopyFrom(common_pb2.Grammar(kind=p.grammar.kind, source=p.grammar.source, start=p.grammar.start))
     return msg
 
 
@@ -30,7 +33,9 @@ def params_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
     p = SamplingParams(max_tokens=msg.max_tokens, temperature=float(msg.temperature),
                        top_p=float(msg.top_p) if msg.top_p else 1.0, top_k=msg.top_k,
                        seed=msg.seed if msg.HasField("seed") else None, stop=tuple(msg.stop),
-                       ignore_eos=msg.ignore_eos, logprobs=msg.logprobs if msg.HasField("logprobs") else None)
+                       ignore_eos=msg.ignore_eos, logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+                       grammar=(Grammar(msg.grammar.kind, msg.grammar.source, msg.grammar.start)
+                                if msg.HasField("grammar") else None))
     p.validate()
     return p
 

@@ -44,6 +44,14 @@ class LoadedModel:
     tokenizer: object  # a transformers tokenizer
     model: LlamaModel | None  # None when loaded without weights (tokenizer and config only)
 
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The configuration's end tokens and the tokenizer's."""
+        eos = set(self.config.eos_token_ids)
+        if getattr(self.tokenizer, "eos_token_id", None) is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        return tuple(sorted(eos))
+
 
 def specserve_home() -> Path:
     return Path(os.environ.get("SPECSERVE_HOME", Path.home() / ".cache" / "specserve"))

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.common.grammar import Grammar
+
 MAX_LOGPROBS = 20  # most likely alternatives a request may ask for with each token's logprob
 
 
@@ -24,6 +26,7 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; n: each token's logprob and n alternatives
+    grammar: Grammar | None = None  # structured output: the output stays inside this grammar
 
     @property
     def greedy(self) -> bool:
@@ -46,6 +49,8 @@ class SamplingParams:
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.grammar is not None:
+            self.grammar.validate()
 
 
 def make_generator(seed: int | None, stream: int) -> torch.Generator:

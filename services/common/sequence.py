@@ -37,6 +37,7 @@ class Sequence:
     cache: KVCache | None = None  # a model worker's KV; slots [0, len(cached)) hold `cached`
     cached: list[int] = field(default_factory=list)
     scratch: object = None  # a proposer's own record of the step before (e.g. the tree it drafted)
+    constraint: object = None  # its grammar's matcher at a worker that masks (services/common/constraint.py)
 
     def sync(self) -> bool:
         """Roll the cache back to the longest prefix it shares with the committed tokens, leaving
@@ -121,7 +122,7 @@ class Sequences:
             seq = seq if not fresh else Sequence(req_id, params, self._generator(params))
             self._seqs[req_id] = seq
         elif params is not None and params != seq.params:
-            seq.params, seq.generator = params, self._generator(params)
+            seq.params, seq.generator, seq.constraint = params, self._generator(params), None
         del seq.tokens[offset:]
         seq.tokens.extend(tokens)
         return seq

@@ -47,6 +47,18 @@ class DraftTree:
             kids[p + 1].append(i)
         return kids
 
+    def subtree(self, keep: list[int]) -> DraftTree:
+        """The tree of the nodes `keep` (closed under parents), in their original order."""
+        keep = sorted(keep)
+        index = {old: new for new, old in enumerate(keep)}
+        out = DraftTree()
+        for old in keep:
+            parent = self.parents[old]
+            out.add(self.tokens[old], index[parent] if parent >= 0 else -1, self.q_ids[old], self.q_probs[old])
+        if len(self.confidence) == len(self.tokens):
+            out.confidence = [self.confidence[i] for i in keep]
+        return out
+
     def depths(self) -> list[int]:
         """Depth of each node; children of the root have depth 1."""
         d: list[int] = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
+from services.common.constraint import Constraints
 from services.common.hidden_states import HiddenStates
 from services.common.sequence import Sequence
 from services.common.tree import DraftTree
@@ -40,10 +41,13 @@ class Proposer(ABC):
 
 
 class ProposeWork(StepWork):
-    """A draft worker's step: one tree per item from its proposer (none asked: an empty tree)."""
+    """A draft worker's step: one tree per item from its proposer (none asked: an empty tree).
+    With `constraints`, a request with a grammar loses the nodes the verifier would reject for
+    the grammar alone (services/common/constraint.py)."""
 
-    def __init__(self, proposer: Proposer):
+    def __init__(self, proposer: Proposer, constraints: Constraints | None = None):
         self.proposer = proposer
+        self.constraints = constraints
         self.runs_model = proposer.runs_model
 
     def run(self, work: list[tuple[Sequence, WorkItem]]) -> list[DraftTree]:
@@ -52,7 +56,12 @@ class ProposeWork(StepWork):
             self.proposer.prefill(chunks, [seq for seq, _ in work])
         asked = [ProposeItem(seq, it.draft_length, it.tree_size, it.states) for seq, it in work if it.draft_length > 0]
         trees = iter(self.proposer.propose(asked) if asked else [])
-        return [next(trees) if it.draft_length > 0 else DraftTree() for _, it in work]
+        return [self._pruned(seq, next(trees)) if it.draft_length > 0 else DraftTree() for seq, it in work]
+
+    def _pruned(self, seq: Sequence, tree: DraftTree) -> DraftTree:
+        if self.constraints is None or seq.params.grammar is None or not len(tree):
+            return tree
+        return self.constraints.of(seq).prune(tree, seq.params.greedy)
 
     def tokens(self, work, results) -> int:
         return sum(len(t) for t in results if t is not None)

@@ -8,6 +8,9 @@ Logprobs (`logprobs` / `top_logprobs` on chat, `logprobs` on completions: at mos
 as vLLM allows) are the target's log-probabilities under the request's sampling parameters (see
 services/verifier/logprobs.py); services/gateway/logprobs.py shapes them.
 
+Structured outputs (`response_format`, and vLLM's `structured_outputs` and `guided_*`) are read
+by services/gateway/structured.py.
+
 Extensions beyond OpenAI: `top_k`, `ignore_eos`, `draft_length` and `tree_size` (fix the
 speculative draft length / tree budget for the request), `return_token_ids` (the output token
 ids in each choice), and speculative statistics in `usage` (steps, drafted_tokens,
@@ -19,11 +22,12 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from services.gateway.errors import ApiError, invalid
 from services.gateway.logprobs import TokenText, chat_logprobs, completion_logprobs
+from services.gateway.structured import FIELDS as STRUCTURED, parse_structured
 from services.gateway.tokenization import check_messages
 from services.gateway.validation import MAX_LOGPROBS, Sampling, check_bool, check_int, parse_sampling
 from specserve.v1 import scheduler_pb2
@@ -36,11 +40,11 @@ SSE_MEDIA_TYPE = "text/event-stream"
 
 _SAMPLING = {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos",
              "draft_length", "tree_size"}
-_COMMON = _SAMPLING | {"model", "stream", "stream_options", "n", "return_token_ids", "user",
-                       "presence_penalty", "frequency_penalty", "logit_bias", "logprobs"}
+_COMMON = _SAMPLING | STRUCTURED | {"model", "stream", "stream_options", "n", "return_token_ids", "user",
+                                    "presence_penalty", "frequency_penalty", "logit_bias", "logprobs"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "best_of", "suffix"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools",
-                         "tool_choice", "response_format", "parallel_tool_calls", "metadata",
+                         "tool_choice", "parallel_tool_calls", "metadata",
                          "store"}
 INFER_FIELDS = {"input", "max_length"}
 
@@ -54,7 +58,6 @@ _OFF = {
     "suffix": lambda v: v in (None, ""),
     "tools": lambda v: v in (None, []),
     "tool_choice": lambda v: v in (None, "none"),
-    "response_format": lambda v: v is None or v == {"type": "text"},
 }
 
 
@@ -108,7 +111,8 @@ def _common(body: dict[str, Any], kind: str, max_tokens_params: tuple[str, ...])
         body = {**body, "logprobs": _chat_logprobs(body)}
     return dict(kind=kind, model=model, stream=stream, include_usage=include_usage, n=n,
                 return_token_ids=False if return_ids is None else check_bool(return_ids, "return_token_ids"),
-                sampling=parse_sampling(body, max_tokens_params=max_tokens_params))
+                sampling=replace(parse_sampling(body, max_tokens_params=max_tokens_params),
+                                 grammar=parse_structured(body)))
 
 
 def _chat_logprobs(body: dict[str, Any]) -> int | None:

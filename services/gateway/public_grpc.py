@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+from dataclasses import replace
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -23,6 +24,7 @@ from google.protobuf.message import DecodeError
 from services.gateway.core import Gateway, event_error, incomplete_stream
 from services.gateway.errors import ApiError, invalid
 from services.gateway.openai_api import ApiRequest
+from services.gateway.structured import check_grammar
 from services.gateway.tokenization import check_messages
 from services.gateway.validation import parse_sampling
 from specserve.v1 import gateway_pb2, gateway_pb2_grpc, scheduler_pb2
@@ -46,6 +48,8 @@ def api_request(request: gateway_pb2.TextRequest) -> ApiRequest:
         "ignore_eos": p.ignore_eos,
         "logprobs": p.logprobs if p.HasField("logprobs") else None,
     }, default_temperature=0.0)
+    if p.HasField("grammar"):
+        sampling = replace(sampling, grammar=check_grammar(p.grammar.kind, p.grammar.source, "params.grammar"))
     if request.messages:
         messages = check_messages([{"role": m.role, "content": m.content} for m in request.messages])
         return ApiRequest(kind="chat", sampling=sampling, model=request.model or None,

@@ -163,6 +163,7 @@ class Sampling:
     tree_size: int | None = None
     max_tokens_param: str = "max_tokens"
     logprobs: int | None = None  # None: none; n: each token's logprob and its n most likely alternatives
+    grammar: tuple[str, str] | None = None  # structured output: (kind, source), services/gateway/structured.py
 
     def to_proto(self, max_tokens: int) -> common_pb2.SamplingParams:
         params = common_pb2.SamplingParams(max_tokens=max_tokens, temperature=self.temperature,
@@ -172,6 +173,8 @@ class Sampling:
             params.seed = self.seed
         if self.logprobs is not None:
             params.logprobs = self.logprobs
+        if self.grammar is not None:
+            params.grammar.kind, params.grammar.source = self.grammar
         return params
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from services.common.sampling import SamplingParams
 from services.common.tree import MAX_TREE_NODES, DraftTree
@@ -91,6 +91,7 @@ class Target:
     max_positions: int
     vocab_size: int
     route_rows: int = 0  # the verifier's matmul route step (latency.py)
+    grammars: object = None  # a Constraints (services/common/constraint.py): checks requests' grammars
 
 
 class StepCore:
@@ -125,6 +126,8 @@ class StepCore:
         if req_id in self.by_id:
             raise ValueError(f"request id {req_id!r} is already running")
         self._check(prompt_ids, params, draft_length, tree_size)
+        if params.grammar is not None:  # the output, from the prompt's end on, follows it
+            params = replace(params, grammar=replace(params.grammar, start=len(prompt_ids)))
         cfg = self.config
         fixed = draft_length if draft_length is not None else (None if self.controller else cfg.draft_length)
         if self.drafts is None:
@@ -147,6 +150,10 @@ class StepCore:
     def _check(self, prompt_ids: list[int], params: SamplingParams, draft_length: int | None,
                tree_size: int | None) -> None:
         params.validate()
+        if params.grammar is not None:
+            if self.target.grammars is None:
+                raise ValueError("grammar: this scheduler serves no structured outputs")
+            self.target.grammars.check(params.grammar)
         vocab = self.target.vocab_size
         bad = next((t for t in prompt_ids if not 0 <= t < vocab), None) if vocab else None
         if bad is not None:

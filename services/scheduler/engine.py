@@ -12,6 +12,7 @@ import itertools
 from collections.abc import Coroutine
 from dataclasses import replace
 
+from services.common.constraint import Constraints
 from services.common.loading import LoadedModel
 from services.common.sampling import SamplingParams
 from services.common.worker import StepWorker
@@ -44,21 +45,20 @@ class Engine:
         kind); `warm_up=False` leaves the latency model at its priors (tests)."""
         self.config = replace(config or StepConfig(), kv_budget_tokens=UNBOUNDED, max_waiting=UNBOUNDED)
         self.target, self.tokenizer, self.proposer = target, target.tokenizer, proposer
-        self.verifier = Verifier(target.model)
         c = target.config
+        self.eos_token_ids = target.eos_token_ids
+        grammars = Constraints(self.tokenizer, c.vocab_size, self.eos_token_ids)  # one engine for all three roles
+        self.verifier = Verifier(target.model, grammars)
         info = common_pb2.InfoResponse(model=target.name, vocab_size=c.vocab_size, max_positions=c.max_positions)
         self.verifiers = LocalWorkers("verifier", StepWorker(info, 1, VerifyWork(self.verifier)))
         self.drafts = None
         if proposer is not None:
-            self.drafts = LocalWorkers("draft", StepWorker(info, 0, ProposeWork(proposer)),
+            self.drafts = LocalWorkers("draft", StepWorker(info, 0, ProposeWork(proposer, grammars)),
                                        max_positions=proposer.max_positions,
                                        feature_layers=proposer.feature_layers)
-        eos = set(c.eos_token_ids)
-        if getattr(self.tokenizer, "eos_token_id", None) is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        self.eos_token_ids = tuple(sorted(eos))
         self.core = StepCore(self.config, Target(self.tokenizer, self.eos_token_ids, c.max_positions, c.vocab_size,
-                                                 target.model.matmul.small_rows), self.verifiers, self.drafts)
+                                                 target.model.matmul.small_rows, grammars),
+                             self.verifiers, self.drafts)
         self.controller = self.core.controller
         pair = f"{target.name}|{draft_name or (proposer.name if proposer else 'none')}"
         self.warmed: WarmUp | None = run_now(self.core.warm_up(pair)) if warm_up else None

@@ -11,7 +11,6 @@ from __future__ import annotations
 from services.common.tree import DraftTree
 from services.scheduler.budget import StepBudget
 from services.scheduler.request import Request
-from services.scheduler.trim import subtree
 from services.scheduler.workers import Reply
 
 
@@ -53,7 +52,7 @@ class Prefill:
         for rid, t in trees.items():
             keep = [i for i, d in enumerate(t.depths()) if d <= depth]
             if len(keep) < len(t):
-                trees[rid] = subtree(t, keep)
+                trees[rid] = t.subtree(keep)
                 if rid in confs:
                     confs[rid] = [confs[rid][i] for i in keep]
 

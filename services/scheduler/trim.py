@@ -72,19 +72,6 @@ def node_values(tree: DraftTree, conf: list[float], calib: NodeCalibration, scal
     return values
 
 
-def subtree(tree: DraftTree, keep: list[int]) -> DraftTree:
-    """The tree of the nodes `keep` (closed under parents), in their original order."""
-    keep = sorted(keep)
-    index = {old: new for new, old in enumerate(keep)}
-    out = DraftTree()
-    for old in keep:
-        parent = tree.parents[old]
-        out.add(tree.tokens[old], index[parent] if parent >= 0 else -1, tree.q_ids[old], tree.q_probs[old])
-    if len(tree.confidence) == len(tree.tokens):
-        out.confidence = [tree.confidence[i] for i in keep]
-    return out
-
-
 def first_path(tree: DraftTree, depth: int) -> list[int]:
     """The nodes of the tree's first chain (each level's first child), down to `depth`."""
     path, node = [], -1
@@ -135,6 +122,6 @@ def trim(trees: list[DraftTree], calib: NodeCalibration, latency: LatencyModel, 
             out_trees.append(tree)
             out_confs.append(conf)
         else:
-            out_trees.append(subtree(tree, nodes))
+            out_trees.append(tree.subtree(nodes))
             out_confs.append([conf[i] for i in sorted(nodes)])
     return out_trees, out_confs

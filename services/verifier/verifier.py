@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.common.constraint import Constraints
 from services.common.hidden_states import HiddenStates
 from services.common.llama import Chunk, LlamaModel
 from services.common.sampling import warp_probs
@@ -29,9 +30,12 @@ class VerifyItem:
 
 
 class Verifier:
-    def __init__(self, model: LlamaModel):
+    def __init__(self, model: LlamaModel, constraints: Constraints | None = None):
+        """`constraints`: the grammar engine for requests with structured output (none: such
+        requests are refused)."""
         self.model = model
         self.vocab_size = model.config.vocab_size
+        self.constraints = constraints
 
     def verify(self, items: list[VerifyItem]) -> list[Verdict]:
         """One target forward over the pending tokens and tree nodes of every item."""
@@ -42,6 +46,8 @@ class Verifier:
             bad = [n for n in it.state_layers if not 0 <= n < self.model.config.num_layers]
             if bad:
                 raise ValueError(f"state_layers {bad} outside the target's {self.model.config.num_layers} layers")
+            if it.seq.params.grammar is not None and self.constraints is None:
+                raise ValueError(f"request {it.seq.req_id!r} has a grammar; this verifier serves none")
         chunks = []
         for it in items:
             seq = it.seq
@@ -59,6 +65,9 @@ class Verifier:
         verdicts = []
         for i, (it, logits) in enumerate(zip(items, all_logits)):
             p = it.seq.params
+            constraint = self.constraints.of(it.seq) if p.grammar is not None and not it.prefill else None
+            if constraint is not None:  # the grammar-masked target: what plain constrained decoding samples
+                logits = constraint.mask(logits, it.tree)
             if it.prefill:
                 verdict = Verdict([], [], False)
             elif p.greedy:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specserve/v1/common.proto\x12\x0cspecserve.v1\"\xb9\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x15\n\x08logprobs\x18\x08 \x01(\x05H\x01\x88\x01\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0f\n\x07top_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"+\n\rQDistribution\x12\x0b\n\x03ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"h\n\tDraftTree\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x0f\n\x07parents\x18\x02 \x03(\x05\x12&\n\x01q\x18\x03 \x03(\x0b\x32\x1b.specserve.v1.QDistribution\x12\x12\n\nconfidence\x18\x04 \x03(\x02\"D\n\nStepTiming\x12\x12\n\ncompute_ms\x18\x01 \x01(\x02\x12\x12\n\nbatch_size\x18\x02 \x01(\x05\x12\x0e\n\x06tokens\x18\x03 \x01(\x05\"\r\n\x0bInfoRequest\"\xbb\x01\n\x0cInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x15\n\rmax_positions\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x0c\n\x04role\x18\x05 \x01(\t\x12\x10\n\x08proposer\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x12\n\nroute_rows\x18\x08 \x01(\x05\x12\x16\n\x0e\x66\x65\x61ture_layers\x18\t \x03(\x05\"H\n\x0cHiddenStates\x12\r\n\x05start\x18\x01 \x01(\x05\x12\x0c\n\x04rows\x18\x02 \x01(\x05\x12\r\n\x05width\x18\x03 \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"\x0e\n\x0cStateRequest\"c\n\rStateResponse\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x16\n\x0ekv_cache_bytes\x18\x02 \x01(\x03\x12\r\n\x05steps\x18\x03 \x01(\x03\x12\x16\n\x0emax_batch_seen\x18\x04 \x01(\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specserve/v1/common.proto\x12\x0cspecserve.v1\"\xe1\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x15\n\x08logprobs\x18\x08 \x01(\x05H\x01\x88\x01\x01\x12&\n\x07grammar\x18\t \x01(\x0b\x32\x15.specserve.v1.GrammarB\x07\n\x05_seedB\x0b\n\t_logprobs\"6\n\x07Grammar\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\r\n\x05start\x18\x03 \x01(\x05\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0f\n\x07top_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"+\n\rQDistribution\x12\x0b\n\x03ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"h\n\tDraftTree\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x0f\n\x07parents\x18\x02 \x03(\x05\x12&\n\x01q\x18\x03 \x03(\x0b\x32\x1b.specserve.v1.QDistribution\x12\x12\n\nconfidence\x18\x04 \x03(\x02\"D\n\nStepTiming\x12\x12\n\ncompute_ms\x18\x01 \x01(\x02\x12\x12\n\nbatch_size\x18\x02 \x01(\x05\x12\x0e\n\x06tokens\x18\x03 \x01(\x05\"\r\n\x0bInfoRequest\"\xbb\x01\n\x0cInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x15\n\rmax_positions\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x0c\n\x04role\x18\x05 \x01(\t\x12\x10\n\x08proposer\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x12\n\nroute_rows\x18\x08 \x01(\x05\x12\x16\n\x0e\x66\x65\x61ture_layers\x18\t \x03(\x05\"H\n\x0cHiddenStates\x12\r\n\x05start\x18\x01 \x01(\x05\x12\x0c\n\x04rows\x18\x02 \x01(\x05\x12\r\n\x05width\x18\x03 \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"\x0e\n\x0cStateRequest\"c\n\rStateResponse\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x16\n\x0ekv_cache_bytes\x18\x02 \x01(\x03\x12\r\n\x05steps\x18\x03 \x01(\x03\x12\x16\n\x0emax_batch_seen\x18\x04 \x01(\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,23 +32,25 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specserve.v1.common_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS']._serialized_start=44
-  _globals['_SAMPLINGPARAMS']._serialized_end=229
-  _globals['_TOKENLOGPROB']._serialized_start=231
-  _globals['_TOKENLOGPROB']._serialized_end=319
-  _globals['_QDISTRIBUTION']._serialized_start=321
-  _globals['_QDISTRIBUTION']._serialized_end=364
-  _globals['_DRAFTTREE']._serialized_start=366
-  _globals['_DRAFTTREE']._serialized_end=470
-  _globals['_STEPTIMING']._serialized_start=472
-  _globals['_STEPTIMING']._serialized_end=540
-  _globals['_INFOREQUEST']._serialized_start=542
-  _globals['_INFOREQUEST']._serialized_end=555
-  _globals['_INFORESPONSE']._serialized_start=558
-  _globals['_INFORESPONSE']._serialized_end=745
-  _globals['_HIDDENSTATES']._serialized_start=747
-  _globals['_HIDDENSTATES']._serialized_end=819
-  _globals['_STATEREQUEST']._serialized_start=821
-  _globals['_STATEREQUEST']._serialized_end=835
-  _globals['_STATERESPONSE']._serialized_start=837
-  _globals['_STATERESPONSE']._serialized_end=936
+  _globals['_SAMPLINGPARAMS']._serialized_end=269
+  _globals['_GRAMMAR']._serialized_start=271
+  _globals['_GRAMMAR']._serialized_end=325
+  _globals['_TOKENLOGPROB']._serialized_start=327
+  _globals['_TOKENLOGPROB']._serialized_end=415
+  _globals['_QDISTRIBUTION']._serialized_start=417
+  _globals['_QDISTRIBUTION']._serialized_end=460
+  _globals['_DRAFTTREE']._serialized_start=462
+  _globals['_DRAFTTREE']._serialized_end=566
+  _globals['_STEPTIMING']._serialized_start=568
+  _globals['_STEPTIMING']._serialized_end=636
+  _globals['_INFOREQUEST']._serialized_start=638
+  _globals['_INFOREQUEST']._serialized_end=651
+  _globals['_INFORESPONSE']._serialized_start=654
+  _globals['_INFORESPONSE']._serialized_end=841
+  _globals['_HIDDENSTATES']._serialized_start=843
+  _globals['_HIDDENSTATES']._serialized_end=915
+  _globals['_STATEREQUEST']._serialized_start=917
+  _globals['_STATEREQUEST']._serialized_end=931
+  _globals['_STATERESPONSE']._serialized_start=933
+  _globals['_STATERESPONSE']._serialized_end=1032
 # @@protoc_insertion_point(module_scope)

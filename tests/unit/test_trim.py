@@ -10,7 +10,7 @@ import pytest
 from services.common.tree import DraftTree
 from services.scheduler.acceptance import NodeCalibration
 from services.scheduler.latency import LatencyModel
-from services.scheduler.trim import node_confidence, node_values, subtree, trim
+from services.scheduler.trim import node_confidence, node_values, trim
 
 
 def chain(tokens: list[int], confs: list[float]) -> DraftTree:
@@ -60,7 +60,7 @@ def test_subtree_reindexes_parents_and_keeps_q():
     t.add(2, -1, [2], [1.0])
     b = t.add(3, a, [3, 4], [0.5, 0.5])
     t.add(4, b, [4], [1.0])
-    s = subtree(t, [0, 2, 3])
+    s = t.subtree([0, 2, 3])
     assert s.tokens == [1, 3, 4] and s.parents == [-1, 0, 1]
     assert s.q_ids[1] == [3, 4] and s.q_probs[1] == [0.5, 0.5]
     s.validate(vocab_size=10)

@@ -1,0 +1,239 @@
+"""Structured outputs: the grammar-masked target, with and without speculation.
+
+On a tiny model with a byte-level tokenizer (the kind llguidance reads): the masks a tree's rows
+get equal a fresh matcher's along each node's path; greedy constrained output equals an
+independent reference loop (transformers logits, llguidance's own mask, argmax) with no draft,
+an n-gram draft, and draft-model chains and trees; sampled constrained output matches the exact
+masked distribution (chi-square); the draft's pruning drops only what is exact to drop.
+"""
+
+from __future__ import annotations
+
+import json
+
+import llguidance
+import llguidance.hf
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from services.common.constraint import Constraints, apply_masks
+from services.common.grammar import Grammar
+from services.common.loading import load_model
+from services.common.sampling import SamplingParams, warp_probs
+from services.common.sequence import Sequence
+from services.common.tree import DraftTree
+from services.draft.model_proposer import ModelProposer
+from services.draft.ngram import NgramProposer
+from services.scheduler.core import StepConfig
+from services.scheduler.engine import Engine
+from tests import tiny
+
+V = 288
+MERGES = ('{"', '":', "ab", "cd", "bc")
+GRAMMARS = [
+    Grammar("regex", "(ab|cd|x)+[0-9]{2}"),
+    Grammar("json_schema", json.dumps({"type": "object", "properties": {"ab": {"type": "integer"},
+                                                                       "cd": {"type": "boolean"}},
+                                       "required": ["ab", "cd"], "additionalProperties": False})),
+    Grammar("choice", json.dumps(["abc", "abd", "cd"])),
+    Grammar("lark", 'start: item ("," item)*\nitem: "ab" | "cd" | /[0-9]/'),
+]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory, home):
+    root = tmp_path_factory.mktemp("structured")
+    target = tiny.make_checkpoint(root / "target", vocab_size=V, seed=31, merges=MERGES)
+    draft = tiny.make_checkpoint(root / "draft", vocab_size=V, seed=32, merges=MERGES, noise_from=target,
+                                 noise_std=0.08)
+    return load_model(str(target)), load_model(str(draft)), tiny.hf_model(target)
+
+
+@pytest.fixture(scope="module")
+def llg_tokenizer(models):
+    return llguidance.hf.from_tokenizer(models[0].tokenizer, n_vocab=V, eos_token=tiny.EOS_ID)
+
+
+def fresh(llg_tokenizer, grammar: Grammar, tokens: list[int]):
+    """An independent matcher after `tokens`."""
+    m = llguidance.LLMatcher(llg_tokenizer, grammar.engine_form(), log_level=0)
+    assert m.consume_tokens(tokens), m.get_error()
+    return m
+
+
+def allowed(matcher) -> torch.Tensor:
+    """[V] bool from llguidance's byte-per-token mask."""
+    return torch.tensor(list(matcher.compute_logit_bias()[:V])) > 0
+
+
+def reference_greedy(hf, llg_tokenizer, grammar: Grammar, prompt: list[int], max_new: int) -> list[int]:
+    """Plain constrained greedy decoding, computed without our engine: the whole sequence through
+    transformers every token, refused tokens at -inf, argmax."""
+    m = llguidance.LLMatcher(llg_tokenizer, grammar.engine_form(), log_level=0)
+    out: list[int] = []
+    with torch.no_grad():
+        while len(out) < max_new:
+            logits = hf(torch.tensor([prompt + out])).logits[0, -1]
+            token = int(logits.masked_fill(~allowed(m), float("-inf")).argmax())
+            out.append(token)
+            assert m.consume_token(token)
+            if token == tiny.EOS_ID:
+                break
+    return out
+
+
+def prompt_ids(models, text="abcd xy abcd 12 abcd") -> list[int]:
+    return models[0].tokenizer.encode(text)
+
+
+def constraint_for(models, grammar: Grammar, committed: list[int]):
+    target = models[0]
+    grammars = Constraints(target.tokenizer, V, (tiny.EOS_ID,))
+    seq = Sequence("r", SamplingParams(grammar=Grammar(grammar.kind, grammar.source, start=2)), None,
+                   tokens=[5, 6] + committed)
+    return grammars.of(seq), seq, grammars
+
+
+def test_tree_rows_equal_a_fresh_matcher_along_each_path(models, llg_tokenizer):
+    g = GRAMMARS[0]
+    tok = models[0].tokenizer
+    ab, cd, x, nine = (tok.convert_tokens_to_ids(t) for t in ("ab", "cd", "x", "9"))
+    # root -> ab -> cd -> 9 ; root -> x ; root -> 9 (refused: a digit first) -> ab (below a refused node)
+    tree = DraftTree([ab, cd, nine, x, nine, ab], [-1, 0, 1, -1, -1, 4], [[t] for t in (ab, cd, nine, x, nine, ab)],
+                     [[1.0]] * 6)
+    c, _, _ = constraint_for(models, g, [])
+    masks, ok = c.rows(tree)
+    assert ok == [True, True, True, True, False, False]
+    paths = {0: [], 1: [ab], 2: [ab, cd], 3: [ab, cd, nine], 4: [x]}  # row -> the path to it
+    for row, path in paths.items():
+        want = allowed(fresh(llg_tokenizer, g, path))
+        got = apply_masks(torch.zeros(1, V), masks[row:row + 1])[0] == 0
+        assert torch.equal(got, want), f"row {row}"
+    assert bool((masks[5:] == -1).all()), "rows below a refused node stay unmasked"
+
+
+def test_follow_rolls_back_to_changed_committed_tokens(models, llg_tokenizer):
+    g = GRAMMARS[0]
+    tok = models[0].tokenizer
+    ab, cd, x = (tok.convert_tokens_to_ids(t) for t in ("ab", "cd", "x"))
+    c, seq, grammars = constraint_for(models, g, [ab, cd, cd])
+    seq.tokens[3:] = [x, ab]  # a resync: the committed tokens after the first output token changed
+    assert grammars.of(seq) is c
+    assert c.consumed == [ab, x, ab]
+    masks, _ = c.rows(DraftTree())
+    want = allowed(fresh(llg_tokenizer, g, [ab, x, ab]))
+    assert torch.equal(apply_masks(torch.zeros(1, V), masks)[0] == 0, want)
+
+
+def test_pruning_drops_only_what_is_exact_to_drop(models):
+    g = GRAMMARS[0]
+    tok = models[0].tokenizer
+    ab, cd, nine, x = (tok.convert_tokens_to_ids(t) for t in ("ab", "cd", "9", "x"))
+    # 9 first is refused; its q is a point mass on it, so dropping it is exact at any temperature.
+    tree = DraftTree([nine, ab, cd], [-1, -1, 1], [[nine], [ab], [cd]], [[1.0], [1.0], [1.0]])
+    c, _, _ = constraint_for(models, g, [])
+    for greedy in (True, False):
+        pruned = c.prune(tree, greedy)
+        assert pruned.tokens == [ab, cd] and pruned.parents == [-1, 0]
+    mixed = DraftTree([nine, ab], [-1, 0], [[nine, x], [ab]], [[0.5, 0.5], [1.0]])  # q has mass on x
+    assert c.prune(mixed, greedy=True).tokens == []
+    kept = c.prune(mixed, greedy=False)  # 9 stays (its rejection shapes the residual); its child goes
+    assert kept.tokens == [nine] and kept.parents == [-1]
+
+
+@pytest.mark.parametrize("grammar", GRAMMARS, ids=[g.kind for g in GRAMMARS])
+@pytest.mark.parametrize("kind,k,tree_size", [("none", 0, None), ("ngram", 4, 8), ("model", 3, None),
+                                              ("model", 3, 8)])
+def test_greedy_constrained_output_equals_plain_constrained_decoding(models, llg_tokenizer, grammar, kind, k,
+                                                                      tree_size):
+    target, draft, hf = models
+    proposer = {"none": None, "ngram": NgramProposer(), "model": ModelProposer(draft.model, V)}[kind]
+    engine = Engine(target, proposer, StepConfig(draft_length=k, tree_size=tree_size), warm_up=False)
+    prompts = [prompt_ids(models), prompt_ids(models, '{"ab": 1, "cd": true} ab,cd,7 abd')]
+    reqs = engine.generate(prompts, SamplingParams(max_tokens=24, grammar=grammar, logprobs=2))
+    for prompt, req in zip(prompts, reqs):
+        assert req.output_ids == reference_greedy(hf, llg_tokenizer, grammar, prompt, 24)
+    assert not engine.held_requests()
+
+
+def test_constrained_logprobs_are_the_same_with_and_without_a_draft(models):
+    target, draft, _ = models
+    params = SamplingParams(max_tokens=16, grammar=GRAMMARS[1], logprobs=3)
+    runs = [Engine(target, p, StepConfig(draft_length=k, tree_size=t), warm_up=False).generate(
+        [prompt_ids(models)], params)[0] for p, k, t in ((None, 0, None), (ModelProposer(draft.model, V), 3, 8))]
+    plain, spec = (r.logprobs for r in runs)
+    assert [t.token_id for t in plain] == [t.token_id for t in spec]
+    for a, b in zip(plain, spec):
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
+        assert [i for i, _ in a.top] == [i for i, _ in b.top]
+        assert all(np.isfinite(v) for _, v in a.top), "a refused token listed as an alternative"
+
+
+SAMPLES = 6000
+CHI_GRAMMAR = Grammar("regex", "[abcx]{1,3}")
+
+
+def exact_outcomes(hf, llg_tokenizer, prompt: list[int], params: SamplingParams) -> dict[tuple, float]:
+    """P(output) over every constrained output of at most 3 tokens (ended by EOS or the limit)."""
+    out: dict[tuple, float] = {}
+    with torch.no_grad():
+        def walk(prefix: list[int], prob: float) -> None:
+            if len(prefix) == params.max_tokens or (prefix and prefix[-1] == tiny.EOS_ID):
+                out[tuple(prefix)] = prob
+                return
+            logits = hf(torch.tensor([prompt + prefix])).logits[0, -1:]
+            logits = logits.masked_fill(~allowed(fresh(llg_tokenizer, CHI_GRAMMAR, prefix)), float("-inf"))
+            p = warp_probs(logits, params.temperature, params.top_k, params.top_p)[0].double()
+            for t in torch.nonzero(p).flatten().tolist():
+                walk(prefix + [t], prob * float(p[t]))
+        walk([], 1.0)
+    return out
+
+
+@pytest.mark.parametrize("kind,k,tree_size", [("model", 2, 5), ("ngram", 3, 6)])
+def test_constrained_sampling_matches_the_exact_masked_distribution(models, llg_tokenizer, kind, k, tree_size):
+    target, draft, hf = models
+    prompt = prompt_ids(models, "abcabxab")
+    params = SamplingParams(max_tokens=3, temperature=1.0, top_p=0.95, grammar=CHI_GRAMMAR)
+    exact = exact_outcomes(hf, llg_tokenizer, prompt, params)
+    proposer = ModelProposer(draft.model, V) if kind == "model" else NgramProposer(max_ngram=2)
+    engine = Engine(target, proposer, StepConfig(draft_length=k, tree_size=tree_size, max_batch=1000), warm_up=False)
+    reqs = [engine.add_request(prompt, SamplingParams(**{**params.__dict__, "seed": s})) for s in range(SAMPLES)]
+    while engine.has_work():
+        engine.step()
+    counts: dict[tuple, int] = {}
+    for r in reqs:
+        counts[tuple(r.output_ids)] = counts.get(tuple(r.output_ids), 0) + 1
+    assert set(counts) <= set(exact), f"outputs outside the grammar's support: {set(counts) - set(exact)}"
+    keys = sorted(exact, key=exact.get, reverse=True)
+    expected = np.array([exact[o] * SAMPLES for o in keys])
+    observed = np.array([counts.get(o, 0) for o in keys], dtype=float)
+    big = expected >= 5
+    obs, exp = np.append(observed[big], observed[~big].sum()), np.append(expected[big], expected[~big].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    assert chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 1e-3
+    assert sum(r.stats.accepted for r in reqs) > 0, "no draft token was ever accepted"
+
+
+def test_bad_grammars_are_refused_with_the_engine_s_reason(models):
+    cases = [(Grammar("yaml", "x"), "grammar kind"), (Grammar("json_schema", "{"), "not valid JSON"),
+             (Grammar("json_schema", '{"type": "objekt"}'), "objekt"), (Grammar("regex", "(ab"), "unclosed group"),
+             (Grammar("choice", "[]"), "non-empty list"), (Grammar("lark", "start: nothing"), "nothing")]
+    grammars = Constraints(models[0].tokenizer, V, (tiny.EOS_ID,))
+    for grammar, words in cases:
+        with pytest.raises(ValueError, match=words):
+            grammars.check(grammar)
+    engine = Engine(models[0], None, StepConfig(draft_length=0), warm_up=False)
+    with pytest.raises(ValueError, match="unclosed group"):
+        engine.add_request([5, 6], SamplingParams(grammar=Grammar("regex", "(ab")))
+    assert not engine.has_work()
+
+
+def test_a_word_level_tokenizer_is_refused_for_grammars(tiny_target):
+    target = load_model(str(tiny_target))  # its words have no bytes the engine could spell text with
+    engine = Engine(target, None, StepConfig(draft_length=0), warm_up=False)
+    with pytest.raises(ValueError, match="tokenizer the grammar engine can read"):
+        engine.add_request([5, 6], SamplingParams(grammar=Grammar("regex", "w5")))
