@@ -21,7 +21,7 @@ import torch
 
 from services.common.grammar import Grammar
 from services.common.sequence import Sequence
-from services.common.tree import DraftTree
+from services.common.tree import DraftTree, path_to
 
 _SHIFTS = torch.arange(32, dtype=torch.int32)
 
@@ -117,6 +117,19 @@ class Constraint:
                 stack.extend(reversed(kids[c + 1]))
         return masks, ok
 
+    def path_masks(self, tree: DraftTree, nodes: list[int]) -> torch.Tensor:
+        """Bitmasks [len(nodes), words] after each node's path (node -1: the root), for a draft
+        growing its tree; all ones for a node the grammar refuses."""
+        masks = torch.full((len(nodes), self.words), -1, dtype=torch.int32)
+        for row, node in enumerate(nodes):
+            path = [tree.tokens[n] for n in path_to(node, tree.parents)]
+            taken = self.matcher.try_consume_tokens(path) if path else 0
+            if taken == len(path):
+                self._fill(masks[row])
+            if taken:
+                self.matcher.rollback(taken)
+        return masks
+
     def mask(self, logits: torch.Tensor, tree: DraftTree) -> torch.Tensor:
         """logits [len(tree) + 1, vocab] with every token the grammar refuses at -inf."""
         masks, _ = self.rows(tree)
@@ -146,10 +159,14 @@ def _allowed(row: torch.Tensor, token: int) -> bool:
     return 0 <= token < row.numel() * 32 and bool((int(row[token // 32]) >> (token % 32)) & 1)
 
 
+def allowed_tokens(masks: torch.Tensor, vocab: int) -> torch.Tensor:
+    """masks [rows, words] int32 -> [rows, vocab] bool (ids past the engine's vocabulary: refused)."""
+    allowed = ((masks.unsqueeze(-1) >> _SHIFTS) & 1).view(masks.shape[0], -1)[:, :vocab].bool()
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+    return allowed
+
+
 def apply_masks(logits: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
     """logits [rows, vocab], masks [rows, words] int32 -> logits with refused tokens at -inf."""
-    rows, vocab = logits.shape
-    allowed = ((masks.unsqueeze(-1) >> _SHIFTS) & 1).view(rows, -1)[:, :vocab].bool()  # [rows, words * 32]
-    if allowed.shape[1] < vocab:  # ids past the engine's vocabulary: never allowed
-        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
-    return logits.masked_fill(~allowed, float("-inf"))
+    return logits.masked_fill(~allowed_tokens(masks, logits.shape[1]), float("-inf"))

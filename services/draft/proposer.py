@@ -42,8 +42,9 @@ class Proposer(ABC):
 
 class ProposeWork(StepWork):
     """A draft worker's step: one tree per item from its proposer (none asked: an empty tree).
-    With `constraints`, a request with a grammar loses the nodes the verifier would reject for
-    the grammar alone (services/common/constraint.py)."""
+    With `constraints`, a request with a grammar has its matcher in `seq.constraint` (a model
+    draft draws from its grammar-masked distribution: tree_growth.py), and its tree loses the
+    nodes the verifier would reject for the grammar alone (services/common/constraint.py)."""
 
     def __init__(self, proposer: Proposer, constraints: Constraints | None = None):
         self.proposer = proposer
@@ -54,6 +55,10 @@ class ProposeWork(StepWork):
         chunks = [seq for seq, it in work if it.prefill]
         if chunks:
             self.proposer.prefill(chunks, [seq for seq, _ in work])
+        if self.constraints is not None:  # a grammar's matcher at the committed tokens, for the proposer too
+            for seq, it in work:
+                if it.draft_length > 0 and seq.params.grammar is not None:
+                    self.constraints.of(seq)
         asked = [ProposeItem(seq, it.draft_length, it.tree_size, it.states) for seq, it in work if it.draft_length > 0]
         trees = iter(self.proposer.propose(asked) if asked else [])
         return [self._pruned(seq, next(trees)) if it.draft_length > 0 else DraftTree() for seq, it in work]
@@ -61,7 +66,7 @@ class ProposeWork(StepWork):
     def _pruned(self, seq: Sequence, tree: DraftTree) -> DraftTree:
         if self.constraints is None or seq.params.grammar is None or not len(tree):
             return tree
-        return self.constraints.of(seq).prune(tree, seq.params.greedy)
+        return seq.constraint.prune(tree, seq.params.greedy)
 
     def tokens(self, work, results) -> int:
         return sum(len(t) for t in results if t is not None)

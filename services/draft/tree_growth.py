@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.common.constraint import allowed_tokens
 from services.common.sampling import warp_probs
 from services.common.tree import DraftTree
 from services.draft.proposer import ProposeItem
@@ -34,6 +35,8 @@ def distributions(works: list[Growth], logits: list[torch.Tensor], kept: torch.T
     out = []
     for w, lg in zip(works, logits):
         lg = lg[:, :vocab_size] if kept is None else lg  # [rows, vocab or kept]
+        if w.item.seq.constraint is not None:
+            lg = _grammar_masked(w, lg, kept, vocab_size)
         p = w.item.seq.params
         probs = lg.float().softmax(-1) if p.greedy else warp_probs(lg, p.temperature, p.top_k, p.top_p)
         k = min(q_support if not p.greedy else branch, probs.shape[-1])
@@ -44,6 +47,18 @@ def distributions(works: list[Growth], logits: list[torch.Tensor], kept: torch.T
             ids = kept[ids]  # slim columns -> target ids
         out.append((vals, ids))
     return out
+
+
+def _grammar_masked(w: Growth, logits: torch.Tensor, kept: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
+    """A request with a grammar drafts from its masked distribution (the q it records), so its
+    nodes are tokens the verifier's masked target can accept. A row whose allowed tokens the
+    draft's vocabulary lacks stays as it is (its nodes are pruned later)."""
+    masks = w.item.seq.constraint.path_masks(w.tree, [node for node, _ in w.frontier])
+    allowed = allowed_tokens(masks, vocab_size)  # [rows, vocab]
+    if kept is not None:
+        allowed = allowed[:, kept]  # [rows, kept]: the slim head's columns
+    allowed |= ~allowed.any(-1, keepdim=True)
+    return logits.masked_fill(~allowed, float("-inf"))
 
 
 def grow(w: Growth, vals: torch.Tensor, ids: torch.Tensor, branch: int, confidence: bool = False) -> list[int]:

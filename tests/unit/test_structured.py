@@ -18,14 +18,16 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from services.common.constraint import Constraints, apply_masks
+from services.common.constraint import Constraints, allowed_tokens, apply_masks
 from services.common.grammar import Grammar
 from services.common.loading import load_model
-from services.common.sampling import SamplingParams, warp_probs
+from services.common.sampling import SamplingParams, make_generator, warp_probs
 from services.common.sequence import Sequence
 from services.common.tree import DraftTree
+from services.common.worker import WorkItem
 from services.draft.model_proposer import ModelProposer
 from services.draft.ngram import NgramProposer
+from services.draft.proposer import ProposeWork
 from services.scheduler.core import StepConfig
 from services.scheduler.engine import Engine
 from tests import tiny
@@ -145,17 +147,38 @@ def test_pruning_drops_only_what_is_exact_to_drop(models):
 
 @pytest.mark.parametrize("grammar", GRAMMARS, ids=[g.kind for g in GRAMMARS])
 @pytest.mark.parametrize("kind,k,tree_size", [("none", 0, None), ("ngram", 4, 8), ("model", 3, None),
-                                              ("model", 3, 8)])
+                                              ("model", 3, 8), ("head", 3, 8)])
 def test_greedy_constrained_output_equals_plain_constrained_decoding(models, llg_tokenizer, grammar, kind, k,
                                                                       tree_size):
     target, draft, hf = models
-    proposer = {"none": None, "ngram": NgramProposer(), "model": ModelProposer(draft.model, V)}[kind]
+    proposer = {"none": lambda: None, "ngram": NgramProposer, "model": lambda: ModelProposer(draft.model, V),
+                "head": lambda: tiny.head_proposer(target, tiny.make_head(target))}[kind]()
     engine = Engine(target, proposer, StepConfig(draft_length=k, tree_size=tree_size), warm_up=False)
     prompts = [prompt_ids(models), prompt_ids(models, '{"ab": 1, "cd": true} ab,cd,7 abd')]
     reqs = engine.generate(prompts, SamplingParams(max_tokens=24, grammar=grammar, logprobs=2))
     for prompt, req in zip(prompts, reqs):
         assert req.output_ids == reference_greedy(hf, llg_tokenizer, grammar, prompt, 24)
+    if kind == "model":  # it drafts from its masked distribution: the target accepts some
+        assert sum(r.stats.accepted for r in reqs) > 0
     assert not engine.held_requests()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_model_draft_proposes_only_what_the_grammar_allows(models, temperature):
+    target, draft, _ = models
+    grammars = Constraints(target.tokenizer, V, (tiny.EOS_ID,))
+    work = ProposeWork(ModelProposer(draft.model, V), grammars)
+    prompt = prompt_ids(models)
+    params = SamplingParams(temperature=temperature, seed=1, grammar=Grammar("json_schema", GRAMMARS[1].source,
+                                                                             start=len(prompt)))
+    seq = Sequence("r", params, make_generator(1, 0) if temperature else None, tokens=list(prompt))
+    tree = work.run([(seq, WorkItem("r", 0, prompt, draft_length=4, tree_size=12))])[0]
+    assert max(tree.depths()) == 4  # forced stretches give one child: only allowed tokens have q > 0
+    _, ok = seq.constraint.rows(tree)
+    assert all(ok)
+    for ids, parent in zip(tree.q_ids, tree.parents):  # q itself lies inside the grammar
+        masks = seq.constraint.path_masks(tree, [parent])
+        assert all(allowed_tokens(masks, V)[0, ids])
 
 
 def test_constrained_logprobs_are_the_same_with_and_without_a_draft(models):
