@@ -54,44 +54,51 @@ class RunningStack:
         return self.engine_generate_ids(ids, **sampling)
 
 
+def start_services(st: Stack, target: Path, draft: Path) -> tuple[str, str]:
+    """Verifier, draft, scheduler and gateway serving `target` with the `draft` model: the
+    gateway's HTTP URL and gRPC address once all are healthy."""
+    verifier = st.start("verifier", "--target", str(target))
+    # The full LM head, as the in-process engines use: seeded samples then match token for token
+    # (SlimSpec's own equality tests are in tests/unit).
+    drafter = st.start("draft", "--target", str(target), "--draft", str(draft), "--compression-ratio", "1.0")
+    st.wait_healthy(verifier)
+    st.wait_healthy(drafter)
+    sched = st.start("scheduler", "--target", str(target), "--draft-addrs", drafter.addr,
+                     "--verifier-addrs", verifier.addr, "--draft-length", str(DRAFT_LENGTH),
+                     "--tree-size", str(TREE_SIZE))
+    st.wait_healthy(sched)
+    http_port = free_port()
+    gateway = st.start("gateway", "--target", str(target), "--scheduler-addrs", sched.addr,
+                       "--http-port", str(http_port))
+    st.wait_healthy(gateway)
+    http_url = f"http://127.0.0.1:{http_port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{http_url}/health", timeout=2).status_code == 200:
+                return http_url, gateway.addr
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"gateway HTTP not healthy:\n{gateway.log_tail()}")
+
+
+def speculative_engine(target: Path, draft: Path) -> Engine:
+    """The in-process engine configured as the stack's scheduler."""
+    target_model = load_model(str(target))
+    proposer = ModelProposer(load_model(str(draft)).model, target_model.config.vocab_size)
+    return Engine(target_model, proposer, StepConfig(draft_length=DRAFT_LENGTH, tree_size=TREE_SIZE))
+
+
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory, redis_url, home):
     root = tmp_path_factory.mktemp("stack")
-    home = root / "home"
     target = tiny.make_checkpoint(root / "target", seed=1)
     draft = tiny.make_checkpoint(root / "draft", seed=2, noise_from=target, noise_std=0.08)
-    env = stack_env(home, REDIS_URL=redis_url, SPECSERVE_API_KEYS=API_KEY)
-    st = Stack(root, env)
+    st = Stack(root, stack_env(root / "home", REDIS_URL=redis_url, SPECSERVE_API_KEYS=API_KEY))
     try:
-        verifier = st.start("verifier", "--target", str(target))
-        # The full LM head, as the in-process engine below uses: seeded samples then match token
-        # for token (SlimSpec's own equality tests are in tests/unit).
-        drafter = st.start("draft", "--target", str(target), "--draft", str(draft), "--compression-ratio", "1.0")
-        st.wait_healthy(verifier)
-        st.wait_healthy(drafter)
-        sched = st.start("scheduler", "--target", str(target), "--draft-addrs", drafter.addr,
-                         "--verifier-addrs", verifier.addr, "--draft-length", str(DRAFT_LENGTH),
-                         "--tree-size", str(TREE_SIZE))
-        st.wait_healthy(sched)
-        http_port = free_port()
-        gateway = st.start("gateway", "--target", str(target), "--scheduler-addrs", sched.addr,
-                           "--http-port", str(http_port))
-        st.wait_healthy(gateway)
-        http_url = f"http://127.0.0.1:{http_port}"
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{http_url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        else:
-            raise RuntimeError(f"gateway HTTP not healthy:\n{gateway.log_tail()}")
-        target_model = load_model(str(target))
-        proposer = ModelProposer(load_model(str(draft)).model, target_model.config.vocab_size)
-        engine = Engine(target_model, proposer, StepConfig(draft_length=DRAFT_LENGTH, tree_size=TREE_SIZE))
-        yield RunningStack(st, http_url, gateway.addr, API_KEY, target, draft, engine)
+        http_url, grpc_addr = start_services(st, target, draft)
+        yield RunningStack(st, http_url, grpc_addr, API_KEY, target, draft, speculative_engine(target, draft))
     finally:
         st.stop_all()
 

@@ -260,3 +260,27 @@ def test_a_word_level_tokenizer_is_refused_for_grammars(tiny_target):
     engine = Engine(target, None, StepConfig(draft_length=0), warm_up=False)
     with pytest.raises(ValueError, match="tokenizer the grammar engine can read"):
         engine.add_request([5, 6], SamplingParams(grammar=Grammar("regex", "w5")))
+
+
+def test_the_default_model_answers_in_json_that_follows_the_schema(default_native):
+    """The real default model, as served: a JSON schema answer that parses and follows the schema,
+    the same with an n-gram draft as without one (or diverging only at a tie of the masked target)."""
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "population": {"type": "integer", "minimum": 0}},
+              "required": ["city", "population"], "additionalProperties": False}
+    tok = default_native.tokenizer
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Give the largest city of France and its "
+                                       "population as JSON."}], add_generation_prompt=True, tokenize=False)
+    ids = tok(prompt, add_special_tokens=False)["input_ids"]
+    params = SamplingParams(max_tokens=40, grammar=Grammar("json_schema", json.dumps(schema)), logprobs=2)
+    plain, spec = (Engine(default_native, p, StepConfig(draft_length=k), warm_up=False).generate([ids], params)[0]
+                   for p, k in ((None, 0), (NgramProposer(), 4)))
+    value = json.loads(tok.decode(plain.output_ids, skip_special_tokens=True))
+    assert set(value) == {"city", "population"} and isinstance(value["city"], str) and len(value["city"]) <= 20
+    assert type(value["population"]) is int and value["population"] >= 0
+    diverged = next((i for i, (a, b) in enumerate(zip(plain.output_ids, spec.output_ids)) if a != b), None)
+    if diverged is None:
+        assert plain.output_ids == spec.output_ids
+    else:
+        (_, first), (_, second) = plain.logprobs[diverged].top  # the masked target's two most likely
+        assert first - second < 1e-3, f"diverged at output token {diverged} with a gap of {first - second}"
