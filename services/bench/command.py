@@ -51,6 +51,9 @@ def add_bench_parser(sub, add_model_args) -> None:
     s.add_argument("--plain-weights", type=_csv, default=[],
                    help="also plain decoding on these weight formats of the target, side by side (e.g. float32 "
                         "beside native)")
+    s.add_argument("--json-schema", default=None,
+                   help="structured output: answers follow this JSON Schema (a file, inline JSON, or 'object' "
+                        "for any JSON object); the HF peers, which take no grammar, are left out")
     s.add_argument("--repeats", type=int, default=3, help="interleaved repeats; medians are reported")
     s.add_argument("--no-warmup", action="store_true", help="skip the unmeasured warm-up run of each decoder")
     s.add_argument("--no-peers", action="store_true", help="skip the Hugging Face peers")
@@ -112,7 +115,8 @@ def cmd_spec(args, argv: list[str]) -> int:
     from services.common.prompt import encode_prompt
 
     settings = SpecSettings(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed, repeats=args.repeats, warmup=not args.no_warmup)
+                            top_k=args.top_k, seed=args.seed, repeats=args.repeats, warmup=not args.no_warmup,
+                            grammar=_json_schema(args.json_schema))
     settings.validate()
     lengths = parse_draft_lengths(args.draft_length)
     if args.tree_size is not None and args.tree_size < 0:
@@ -138,13 +142,31 @@ def cmd_spec(args, argv: list[str]) -> int:
     if not kept:
         raise ValueError("no question fits the target's context with --max-tokens")
     ds = build_decoders(target, args.draft, lengths, args.tree_size, device=args.device, dtype=args.dtype,
-                        peers=not args.no_peers, max_draft_length=args.max_draft_length,
+                        peers=not args.no_peers and settings.grammar is None, max_draft_length=args.max_draft_length,
                         weight_format=args.weights, plain_formats=tuple(args.plain_weights))
+    if settings.grammar is not None and not args.no_peers:
+        ds.not_applicable["HF peers"] = "HF generate takes no grammar (--json-schema)"
     result = {"meta": meta(["specserve", *argv]), "target": args.target, "draft": args.draft,
               "questions_file": str(args.questions), "skipped": skipped}
     result.update(run_spec(kept, prompts, ds.decoders, settings, ds.not_applicable, progress=not args.no_progress))
     _write(args.out, "spec", result, spec_markdown(result), spec_chart, args.update, SPEC_SECTION)
     return 0 if result["identity"]["identical"] or not result["identity"]["checked"] else 1
+
+
+def _json_schema(value: str | None):
+    """--json-schema: None, 'object', inline JSON or a file's text, as a grammar (checked later)."""
+    from services.common.grammar import JSON_OBJECT, Grammar
+
+    if value is None:
+        return None
+    if value == "object":
+        return Grammar("json_schema", JSON_OBJECT)
+    if value.lstrip().startswith("{"):
+        return Grammar("json_schema", value)
+    try:
+        return Grammar("json_schema", Path(value).read_text())
+    except OSError as e:
+        raise ValueError(f"--json-schema: cannot read {value}: {e.strerror or e}") from None
 
 
 def cmd_load(args, argv: list[str]) -> int:

@@ -100,13 +100,18 @@ def _f(x: float | None, fmt: str = "{:.2f}", na: str = "n/a") -> str:
     return na if x is None else fmt.format(x)
 
 
+def _grammar(settings: dict) -> str:
+    g = settings.get("grammar")
+    return f", answers constrained to the {g['kind']} `{g['source']}`" if g else ""
+
+
 def spec_markdown(result: dict) -> str:
     s, m = result["settings"], result["meta"]
     cats = [g for g in result["summary"] if g != ALL]
     n = len(result["questions"])
     lines = [f"Spec-Bench: {n} questions ({', '.join(cats)}; first turn, chat template), target "
              f"{result['target']}, draft {result['draft']}, temperature {s['temperature']:g}, max "
-             f"{s['max_tokens']} tokens, median of {s['repeats']} interleaved repeats. {stamp(m)}.", "",
+             f"{s['max_tokens']} tokens{_grammar(s)}, median of {s['repeats']} interleaved repeats. {stamp(m)}.", "",
              "| configuration | engine | tokens/s | speedup | x HF generate | MAL | acceptance |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     overall = result["summary"][ALL]

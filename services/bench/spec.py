@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from services.bench.decoders import HF_PLAIN, PLAIN, Decoded, Decoder
 from services.bench.questions import Question, categories_in_order
 from services.bench.stats import median, ratio
+from services.common.grammar import Grammar
 from services.common.sampling import SamplingParams
 
 ALL = "all"
@@ -31,6 +32,7 @@ class SpecSettings:
     seed: int = 0  # question i samples with seed + i at temperature > 0, the same in every repeat
     repeats: int = 3
     warmup: bool = True
+    grammar: Grammar | None = None  # structured output: every decoder answers inside it
 
     def validate(self) -> None:
         if self.repeats < 1:
@@ -40,7 +42,8 @@ class SpecSettings:
     def params(self, index: int, max_tokens: int | None = None) -> SamplingParams:
         greedy = self.temperature == 0
         return SamplingParams(max_tokens=max_tokens or self.max_tokens, temperature=self.temperature,
-                              top_p=self.top_p, top_k=self.top_k, seed=None if greedy else self.seed + index)
+                              top_p=self.top_p, top_k=self.top_k, seed=None if greedy else self.seed + index,
+                              grammar=self.grammar)
 
 
 def rotated(items: list, shift: int) -> list:

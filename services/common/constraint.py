@@ -91,9 +91,11 @@ class Constraint:
             self.matcher.rollback(len(self.consumed) - common)
             del self.consumed[common:]
         new = out[common:]
-        if new and self.matcher.try_consume_tokens(new) != len(new):
+        taken = self.matcher.try_consume_tokens(new) if new else 0
+        self.consumed.extend(new[:taken])
+        # Past the grammar's end (ignore_eos) only end tokens follow: they leave the state as is.
+        if taken < len(new) and not self.matcher.is_stopped():
             raise ValueError("a committed token lies outside the request's grammar")
-        self.consumed.extend(new)
 
     def rows(self, tree: DraftTree) -> tuple[torch.Tensor, list[bool]]:
         """Bitmasks [len(tree) + 1, words] int32 (bit t of a row: token t allowed) and, per node,
@@ -110,11 +112,18 @@ class Constraint:
                 self.matcher.rollback(1)
                 continue
             parent_row = masks[tree.parents[c] + 1]
-            if _allowed(parent_row, tree.tokens[c]) and self.matcher.try_consume_tokens([tree.tokens[c]]) == 1:
-                ok[c] = True
+            if not _allowed(parent_row, tree.tokens[c]):
+                continue
+            ok[c] = True
+            if self.matcher.is_stopped():  # an end token past the grammar's end: the state stays
+                masks[c + 1] = parent_row
+            elif self.matcher.try_consume_tokens([tree.tokens[c]]) == 1:
                 self._fill(masks[c + 1])
                 stack.append(None)
-                stack.extend(reversed(kids[c + 1]))
+            else:  # the mask allowed what the matcher does not take (unexpected): refused all the same
+                ok[c] = False
+                continue
+            stack.extend(reversed(kids[c + 1]))
         return masks, ok
 
     def path_masks(self, tree: DraftTree, nodes: list[int]) -> torch.Tensor:
@@ -124,7 +133,7 @@ class Constraint:
         for row, node in enumerate(nodes):
             path = [tree.tokens[n] for n in path_to(node, tree.parents)]
             taken = self.matcher.try_consume_tokens(path) if path else 0
-            if taken == len(path):
+            if taken == len(path) or self.matcher.is_stopped():  # past the end: end tokens only
                 self._fill(masks[row])
             if taken:
                 self.matcher.rollback(taken)

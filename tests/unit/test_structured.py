@@ -164,6 +164,22 @@ def test_greedy_constrained_output_equals_plain_constrained_decoding(models, llg
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_past_the_grammar_s_end_only_end_tokens_follow(models, temperature):
+    """ignore_eos: once the grammar has ended, every draft and the verifier agree on end tokens."""
+    target, draft, _ = models
+    params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=temperature, seed=4, grammar=GRAMMARS[2])
+    outs = []
+    for proposer, k, tree_size in ((None, 0, None), (NgramProposer(), 4, 8), (ModelProposer(draft.model, V), 3, 6)):
+        engine = Engine(target, proposer, StepConfig(draft_length=k, tree_size=tree_size), warm_up=False)
+        out = engine.generate([prompt_ids(models)], params)[0].output_ids
+        end = out.index(tiny.EOS_ID)
+        assert 0 < end < 11 and out[end:] == [tiny.EOS_ID] * (12 - end)
+        outs.append(out)
+    if temperature == 0:
+        assert outs[0] == outs[1] == outs[2]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_a_model_draft_proposes_only_what_the_grammar_allows(models, temperature):
     target, draft, _ = models
     grammars = Constraints(target.tokenizer, V, (tiny.EOS_ID,))
