@@ -5,6 +5,7 @@ engine configured identically, to compare their outputs."""
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,17 +91,24 @@ def speculative_engine(target: Path, draft: Path) -> Engine:
     return Engine(target_model, proposer, StepConfig(draft_length=DRAFT_LENGTH, tree_size=TREE_SIZE))
 
 
-@pytest.fixture(scope="session")
-def stack(tmp_path_factory, redis_url, home):
-    root = tmp_path_factory.mktemp("stack")
-    target = tiny.make_checkpoint(root / "target", seed=1)
-    draft = tiny.make_checkpoint(root / "draft", seed=2, noise_from=target, noise_std=0.08)
+@contextmanager
+def running_stack(root: Path, target: Path, draft: Path, redis_url: str):
+    """The four services on `target` and `draft`, and the in-process engine beside them."""
     st = Stack(root, stack_env(root / "home", REDIS_URL=redis_url, SPECSERVE_API_KEYS=API_KEY))
     try:
         http_url, grpc_addr = start_services(st, target, draft)
         yield RunningStack(st, http_url, grpc_addr, API_KEY, target, draft, speculative_engine(target, draft))
     finally:
         st.stop_all()
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory, redis_url, home):
+    root = tmp_path_factory.mktemp("stack")
+    target = tiny.make_checkpoint(root / "target", seed=1)
+    draft = tiny.make_checkpoint(root / "draft", seed=2, noise_from=target, noise_std=0.08)
+    with running_stack(root, target, draft, redis_url) as running:
+        yield running
 
 
 @pytest.fixture(scope="session")

@@ -20,8 +20,7 @@ from services.common.sampling import SamplingParams
 from services.scheduler.core import StepConfig
 from services.scheduler.engine import Engine
 from tests import tiny
-from tests.integration.conftest import API_KEY, RunningStack, speculative_engine, start_services
-from tests.integration.stack import Stack, stack_env
+from tests.integration.conftest import API_KEY, running_stack
 from tests.integration.test_gateway_api import scheduler_state
 
 V = 288
@@ -39,12 +38,8 @@ def byte_stack(tmp_path_factory, redis_url, home):
     target = tiny.make_checkpoint(root / "target", vocab_size=V, seed=41, merges=('{"', '":', "ab", "ca"))
     draft = tiny.make_checkpoint(root / "draft", vocab_size=V, seed=42, merges=('{"', '":', "ab", "ca"),
                                  noise_from=target, noise_std=0.08)
-    st = Stack(root, stack_env(root / "home", REDIS_URL=redis_url, SPECSERVE_API_KEYS=API_KEY))
-    try:
-        http_url, grpc_addr = start_services(st, target, draft)
-        yield RunningStack(st, http_url, grpc_addr, API_KEY, target, draft, speculative_engine(target, draft))
-    finally:
-        st.stop_all()
+    with running_stack(root, target, draft, redis_url) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
