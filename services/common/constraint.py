@@ -21,7 +21,7 @@ import torch
 
 from services.common.grammar import Grammar
 from services.common.sequence import Sequence
-from services.common.tree import DraftTree, path_to
+from services.common.tree import MAX_TREE_NODES, DraftTree, path_to
 
 _SHIFTS = torch.arange(32, dtype=torch.int32)
 
@@ -139,6 +139,47 @@ class Constraint:
                 self.matcher.rollback(taken)
         return masks
 
+    def forced(self, path: list[int], limit: int) -> list[int]:
+        """Up to `limit` tokens the grammar forces after `path`: each the only token it allows
+        (an end token last when the grammar is complete). The masked target gives each p = 1,
+        so as draft nodes they are always accepted (the jump-forward of other servers, here
+        verified like any draft)."""
+        taken = self.matcher.try_consume_tokens(path) if path else 0
+        out: list[int] = []
+        consumed = 0
+        row = torch.empty(self.words, dtype=torch.int32)
+        while taken == len(path) and len(out) < limit:
+            self._fill(row)
+            token = _only(row)
+            if token is None:
+                break
+            if self.matcher.is_stopped():  # the grammar is complete: its end token ends the chain
+                out.append(token)
+                break
+            if self.matcher.try_consume_tokens([token]) != 1:
+                break
+            out.append(token)
+            consumed += 1
+        if taken + consumed:
+            self.matcher.rollback(taken + consumed)
+        return out
+
+    def extend_forced(self, tree: DraftTree, depth: int) -> DraftTree:
+        """The tree with its first path continued by the tokens the grammar forces after it,
+        down to `depth` (a copy; the proposer keeps its own)."""
+        path = tree.first_path()
+        room = min(depth - len(path), MAX_TREE_NODES - len(tree))
+        forced = self.forced([tree.tokens[n] for n in path], room) if room > 0 else []
+        if not forced:
+            return tree
+        out = tree.subtree(list(range(len(tree))))
+        parent = path[-1] if path else -1
+        for token in forced:
+            parent = out.add(token, parent, [token], [1.0])
+            if out.confidence:
+                out.confidence.append(1.0)
+        return out
+
     def mask(self, logits: torch.Tensor, tree: DraftTree) -> torch.Tensor:
         """logits [len(tree) + 1, vocab] with every token the grammar refuses at -inf."""
         masks, _ = self.rows(tree)
@@ -162,6 +203,15 @@ class Constraint:
 
     def _fill(self, row: torch.Tensor) -> None:
         self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
+
+
+def _only(row: torch.Tensor) -> int | None:
+    """The token of a bitmask row that allows exactly one, else None."""
+    words = torch.nonzero(row).flatten()
+    if len(words) != 1:
+        return None
+    bits = int(row[words[0]]) & 0xFFFFFFFF
+    return None if bits & (bits - 1) else int(words[0]) * 32 + bits.bit_length() - 1
 
 
 def _allowed(row: torch.Tensor, token: int) -> bool:

@@ -59,6 +59,16 @@ class DraftTree:
             out.confidence = [self.confidence[i] for i in keep]
         return out
 
+    def first_path(self) -> list[int]:
+        """The nodes of the tree's first chain (each level's first child), root downwards: the
+        proposer's most likely path."""
+        path, node = [], -1
+        for i, parent in enumerate(self.parents):
+            if parent == node:
+                path.append(i)
+                node = i
+        return path
+
     def depths(self) -> list[int]:
         """Depth of each node; children of the root have depth 1."""
         d: list[int] = []

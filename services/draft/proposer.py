@@ -43,8 +43,9 @@ class Proposer(ABC):
 class ProposeWork(StepWork):
     """A draft worker's step: one tree per item from its proposer (none asked: an empty tree).
     With `constraints`, a request with a grammar has its matcher in `seq.constraint` (a model
-    draft draws from its grammar-masked distribution: tree_growth.py), and its tree loses the
-    nodes the verifier would reject for the grammar alone (services/common/constraint.py)."""
+    draft draws from its grammar-masked distribution: tree_growth.py), its tree loses the nodes
+    the verifier would reject for the grammar alone, and its first path goes on with the tokens
+    the grammar forces, down to the step's depth (services/common/constraint.py)."""
 
     def __init__(self, proposer: Proposer, constraints: Constraints | None = None):
         self.proposer = proposer
@@ -61,12 +62,13 @@ class ProposeWork(StepWork):
                     self.constraints.of(seq)
         asked = [ProposeItem(seq, it.draft_length, it.tree_size, it.states) for seq, it in work if it.draft_length > 0]
         trees = iter(self.proposer.propose(asked) if asked else [])
-        return [self._pruned(seq, next(trees)) if it.draft_length > 0 else DraftTree() for seq, it in work]
+        return [self._constrained(seq, next(trees), it.draft_length) if it.draft_length > 0 else DraftTree()
+                for seq, it in work]
 
-    def _pruned(self, seq: Sequence, tree: DraftTree) -> DraftTree:
-        if self.constraints is None or seq.params.grammar is None or not len(tree):
+    def _constrained(self, seq: Sequence, tree: DraftTree, depth: int) -> DraftTree:
+        if self.constraints is None or seq.params.grammar is None:
             return tree
-        return seq.constraint.prune(tree, seq.params.greedy)
+        return seq.constraint.extend_forced(seq.constraint.prune(tree, seq.params.greedy), depth)
 
     def tokens(self, work, results) -> int:
         return sum(len(t) for t in results if t is not None)

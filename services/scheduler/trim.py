@@ -72,18 +72,6 @@ def node_values(tree: DraftTree, conf: list[float], calib: NodeCalibration, scal
     return values
 
 
-def first_path(tree: DraftTree, depth: int) -> list[int]:
-    """The nodes of the tree's first chain (each level's first child), down to `depth`."""
-    path, node = [], -1
-    for i, parent in enumerate(tree.parents):
-        if len(path) >= depth:
-            break
-        if parent == node:
-            path.append(i)
-            node = i
-    return path
-
-
 def trim(trees: list[DraftTree], calib: NodeCalibration, latency: LatencyModel, spent_ms: float,
          batch: int | None = None, fixed_nodes: int = 0, min_depth: int = 0, scales: list[float] | None = None
          ) -> tuple[list[DraftTree], list[list[float]]]:
@@ -96,7 +84,7 @@ def trim(trees: list[DraftTree], calib: NodeCalibration, latency: LatencyModel, 
     batch = len(trees) if batch is None else batch
     scales = scales or [1.0] * len(trees)
     confs = [node_confidence(t) for t in trees]
-    keep: list[list[int]] = [first_path(t, min_depth) for t in trees]
+    keep: list[list[int]] = [t.first_path()[:min_depth] for t in trees]
     forced_nodes, forced_gain = sum(len(k) for k in keep), 0.0
     ranked = []  # (value, request, node) of the nodes that may be cut
     for r, (tree, conf) in enumerate(zip(trees, confs)):

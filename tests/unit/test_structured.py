@@ -163,6 +163,39 @@ def test_greedy_constrained_output_equals_plain_constrained_decoding(models, llg
     assert not engine.held_requests()
 
 
+def test_forced_tokens_continue_the_first_path(models, llg_tokenizer):
+    """Each forced token is the only one an independent matcher allows; the chain stops where
+    the grammar offers a choice, at the depth, or after the end token of a complete grammar."""
+    tok = models[0].tokenizer
+    c, _, _ = constraint_for(models, GRAMMARS[1], [])
+    chain = c.extend_forced(DraftTree(), 8)
+    assert chain.parents == list(range(-1, len(chain) - 1)) and chain.q_probs == [[1.0]] * len(chain)
+    assert tok.decode(chain.tokens) == '{"ab": '
+    for i in range(len(chain) + 1):
+        assert int(allowed(fresh(llg_tokenizer, GRAMMARS[1], chain.tokens[:i])).sum()) == (1 if i < len(chain) else 11)
+    one = tok.encode('{"ab": 1')  # a drafted path: the grammar forces what follows it
+    tree = DraftTree(one, list(range(-1, len(one) - 1)), [[t] for t in one], [[1.0]] * len(one))
+    longer = c.extend_forced(tree, len(one) + 8)
+    assert longer.tokens[:len(one)] == one and len(tree) == len(one)  # the proposer's tree is left as it was
+    assert tok.decode(longer.tokens[len(one):]) == ""  # a digit may follow: nothing forced yet
+    done = tok.encode('{"ab": 1, "cd": true}')
+    tree = DraftTree(done, list(range(-1, len(done) - 1)), [[t] for t in done], [[1.0]] * len(done))
+    assert c.extend_forced(tree, len(done) + 3).tokens[len(done):] == [tiny.EOS_ID]
+    assert len(c.extend_forced(DraftTree(), 2)) == 2
+    assert c.consumed == [] and int(allowed(fresh(llg_tokenizer, GRAMMARS[1], [])).sum()) == 1  # rolled back
+
+
+def test_forced_stretches_cost_no_step_of_their_own(models):
+    target, _, _ = models
+    grammar = Grammar("regex", "abcdabcdxyzxyz[0-9]")
+    prompt = prompt_ids(models, "hello there")  # nothing for the n-gram to match
+    params = SamplingParams(max_tokens=24, grammar=grammar)
+    plain = Engine(target, None, StepConfig(draft_length=0), warm_up=False).generate([prompt], params)[0]
+    spec = Engine(target, NgramProposer(), StepConfig(draft_length=4), warm_up=False).generate([prompt], params)[0]
+    assert spec.output_ids == plain.output_ids and plain.stats.steps == len(plain.output_ids)
+    assert spec.stats.steps <= len(spec.output_ids) // 3, (spec.stats.steps, len(spec.output_ids))
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_past_the_grammar_s_end_only_end_tokens_follow(models, temperature):
     """ignore_eos: once the grammar has ended, every draft and the verifier agree on end tokens."""
