@@ -114,15 +114,14 @@ class Constraint:
             parent_row = masks[tree.parents[c] + 1]
             if not _allowed(parent_row, tree.tokens[c]):
                 continue
-            ok[c] = True
             if self.matcher.is_stopped():  # an end token past the grammar's end: the state stays
                 masks[c + 1] = parent_row
             elif self.matcher.try_consume_tokens([tree.tokens[c]]) == 1:
                 self._fill(masks[c + 1])
                 stack.append(None)
             else:  # the mask allowed what the matcher does not take (unexpected): refused all the same
-                ok[c] = False
                 continue
+            ok[c] = True
             stack.extend(reversed(kids[c + 1]))
         return masks, ok
 
