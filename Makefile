@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 #   make setup TORCH_SPEC='torch==2.13.0 --index-url https://.../cu128'
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup deps protos model draft head run test bench bench-spec bench-load gpu-check clean
+.PHONY: setup deps protos model draft head peers run test bench bench-spec bench-load gpu-check clean
 
 setup: deps protos model
 
@@ -39,6 +39,11 @@ draft: deps model
 HEAD_ARGS ?=
 head: deps model
 	$(BIN)/python scripts/train_head.py --out models/head $(HEAD_ARGS)
+
+# llama.cpp's llama-lookup and llama-bench, built once from the llama-cpp-python sdist and cached
+# under SPECSERVE_HOME, for `specserve bench spec --peers llamacpp` (about 13 minutes on 2 cores).
+peers: deps
+	$(BIN)/python scripts/build_llamacpp.py
 
 # Redis (unless REDIS_URL is set) and the four services on localhost; Ctrl-C stops them all.
 run: setup

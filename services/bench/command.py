@@ -27,7 +27,7 @@ def add_bench_parser(sub, add_model_args) -> None:
     b = sub.add_parser("bench", help="benchmarks: Spec-Bench speedups (spec) and gateway load tests (load)")
     kinds = b.add_subparsers(dest="bench", required=True)
 
-    s = kinds.add_parser("spec", help="speedup, MAL and acceptance per Spec-Bench category, with HF peers")
+    s = kinds.add_parser("spec", help="speedup, MAL and acceptance per Spec-Bench category, with peers")
     add_model_args(s)
     s.add_argument("--questions", required=True, help="Spec-Bench JSONL (question_id, category, turns)")
     s.add_argument("--categories", type=_csv, default=None, help="comma-separated categories (default: all)")
@@ -53,10 +53,14 @@ def add_bench_parser(sub, add_model_args) -> None:
                         "beside native)")
     s.add_argument("--json-schema", default=None,
                    help="structured output: answers follow this JSON Schema (a file, inline JSON, or 'object' "
-                        "for any JSON object); the HF peers, which take no grammar, are left out")
+                        "for any JSON object); the peers, which take no grammar, are left out")
     s.add_argument("--repeats", type=int, default=3, help="interleaved repeats; medians are reported")
     s.add_argument("--no-warmup", action="store_true", help="skip the unmeasured warm-up run of each decoder")
-    s.add_argument("--no-peers", action="store_true", help="skip the Hugging Face peers")
+    s.add_argument("--peers", type=_csv, default=["hf"],
+                   help="peers run side by side with this engine, comma-separated: hf (transformers on the same "
+                        "weights), llamacpp (llama.cpp on the same GGUF file; build it once with `make peers`) "
+                        "(default: hf)")
+    s.add_argument("--no-peers", action="store_true", help="no peers (the same as --peers '')")
     s.add_argument("--out", type=Path, default=Path("bench-out"), help="directory for spec.{json,md,png}")
     s.add_argument("--update", type=Path, default=None,
                    help=f"also rewrite the {SPEC_SECTION} section of this Markdown file (BENCHMARKS.md)")
@@ -127,6 +131,7 @@ def cmd_spec(args, argv: list[str]) -> int:
     bad = [f for f in args.plain_weights if f not in WEIGHT_FORMATS or f == args.weights]
     if bad:
         raise ValueError(f"--plain-weights: {bad[0]!r} is not another of {', '.join(WEIGHT_FORMATS)}")
+    peers = () if args.no_peers else tuple(args.peers)
     target = load_model(args.target, device=args.device, dtype=args.dtype, weight_format=args.weights)
     kept, prompts, skipped = [], [], []
     for q in questions:
@@ -142,10 +147,10 @@ def cmd_spec(args, argv: list[str]) -> int:
     if not kept:
         raise ValueError("no question fits the target's context with --max-tokens")
     ds = build_decoders(target, args.draft, lengths, args.tree_size, device=args.device, dtype=args.dtype,
-                        peers=not args.no_peers and settings.grammar is None, max_draft_length=args.max_draft_length,
+                        peers=peers if settings.grammar is None else (), max_draft_length=args.max_draft_length,
                         weight_format=args.weights, plain_formats=tuple(args.plain_weights))
-    if settings.grammar is not None and not args.no_peers:
-        ds.not_applicable["HF peers"] = "HF generate takes no grammar (--json-schema)"
+    if settings.grammar is not None and peers:
+        ds.not_applicable["peers"] = "the peers take no grammar (--json-schema)"
     result = {"meta": meta(["specserve", *argv]), "target": args.target, "draft": args.draft,
               "questions_file": str(args.questions), "skipped": skipped}
     result.update(run_spec(kept, prompts, ds.decoders, settings, ds.not_applicable, progress=not args.no_progress))

@@ -1,6 +1,6 @@
 """The decoders a speculative benchmark times side by side: this engine (plain, or with a draft at
-each draft length) and the Hugging Face peers on the same weights (`generate`, assisted generation
-with the same draft model, prompt lookup).
+each draft length), the Hugging Face peers on the same weights (`generate`, assisted generation
+with the same draft model, prompt lookup) and llama.cpp on the same GGUF file (services/bench/llamacpp.py).
 
 Every decoder turns one prompt into output token ids with the same stopping rule: at most
 max_tokens tokens, ending at the first EOS (included). Each names its `baseline`, the plain decoder
@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from services.common.loading import LoadedModel, load_model, resolve_checkpoint, resolve_device, resolve_dtype
+from services.common.loading import (LoadedModel, gguf_file, load_model, resolve_checkpoint, resolve_device,
+                                     resolve_dtype)
 from services.common.sampling import SamplingParams
 from services.draft.factory import HYBRID_SUFFIX, build_proposer
 from services.draft.feature_head import is_head_checkpoint
@@ -24,9 +25,10 @@ from services.scheduler.core import StepConfig
 from services.scheduler.engine import Engine
 from services.scheduler.policy import DEFAULT_MAX_DRAFT_LENGTH
 
-OURS, HF = "specserve", "hf"
-PLAIN, HF_PLAIN = "plain", "hf_generate"
-DEFAULT_HF_K = 4  # the HF peers' draft length when every engine configuration is adaptive
+OURS, HF, LLAMACPP = "specserve", "hf", "llamacpp"
+PLAIN, HF_PLAIN, LLAMACPP_PLAIN = "plain", "hf_generate", "llamacpp_plain"
+PEERS = (HF, LLAMACPP)  # the peer engines `bench spec --peers` may name
+DEFAULT_PEER_K = 4  # the peers' draft length when every engine configuration is adaptive
 
 
 @dataclass
@@ -38,9 +40,13 @@ class Decoded:
     accepted: int | None  # draft tokens accepted; None likewise
 
 
+class PeerError(RuntimeError):
+    """A peer's tool failed on one prompt: the benchmark records it as an error and goes on."""
+
+
 class Decoder(ABC):
     name: str
-    engine: str  # OURS or HF
+    engine: str  # OURS or a peer (HF, LLAMACPP)
     baseline: str  # the same engine's plain decoder
     draft: str  # none, ngram, self, a checkpoint path, or prompt_lookup
     draft_length: int | str | None
@@ -188,27 +194,36 @@ class DecoderSet:
 
 
 def build_decoders(target: LoadedModel, draft: str, draft_lengths: list[int | str], tree_size: int | None = None,
-                   device: str = "cpu", dtype: str | None = None, peers: bool = True,
+                   device: str = "cpu", dtype: str | None = None, peers: tuple[str, ...] = (HF,),
                    max_draft_length: int = DEFAULT_MAX_DRAFT_LENGTH, weight_format: str = "native",
                    plain_formats: tuple[str, ...] = ()) -> DecoderSet:
     """This engine plain and with each of `draft` (comma-separated: side by side) at each draft
     length (adaptive: up to `max_draft_length`), on the target as loaded (`weight_format`), plus
     plain decoding on each of `plain_formats` (`plain_float32`: the same GGUF dequantized); with
-    `peers`, HF `generate` and the HF peers matching the drafts (assisted generation for a draft
-    model, prompt lookup for ngram) at the largest integer draft length."""
+    HF in `peers`, HF `generate` and the HF peers matching the drafts (assisted generation for a
+    draft model, prompt lookup for ngram) at the largest integer draft length; with LLAMACPP,
+    llama.cpp's plain decoding on the target's GGUF and its prompt lookup (for ngram) likewise."""
+    unknown = [p for p in peers if p not in PEERS]
+    if unknown:
+        raise ValueError(f"--peers: {unknown[0]!r} is not one of {', '.join(PEERS)}")
     drafts = [_resolve_draft(d.strip(), target) for d in draft.split(",") if d.strip()]
     decoders: list[Decoder] = [EngineDecoder(PLAIN, target, None, "none", 0)]
     for fmt in plain_formats:
         other = load_model(target.name, device=device, dtype=dtype, weight_format=fmt)
         # float32 weights are HF's: its tokens must be generate's (native ones round differently)
         decoders.append(EngineDecoder(f"{PLAIN}_{fmt}", other, None, "none", 0,
-                                      reference=HF_PLAIN if peers and fmt == "float32" else f"{PLAIN}_{fmt}"))
+                                      reference=HF_PLAIN if HF in peers and fmt == "float32" else f"{PLAIN}_{fmt}"))
     for d in drafts:
         if d != "none":
             decoders.extend(_engine_decoders(target, d, draft_lengths, tree_size, device, dtype, max_draft_length,
                                              weight_format))
-    if not peers:
-        return DecoderSet(decoders, {})
+    ints = [k for k in draft_lengths if isinstance(k, int) and k > 0]
+    k = max(ints) if ints else DEFAULT_PEER_K
+    na: dict[str, str] = {}
+    if LLAMACPP in peers:
+        decoders.extend(_llamacpp_decoders(target, k, "ngram" in drafts, na))
+    if HF not in peers:
+        return DecoderSet(decoders, na)
     from transformers import AutoModelForCausalLM
 
     dev = resolve_device(device)
@@ -216,11 +231,8 @@ def build_decoders(target: LoadedModel, draft: str, draft_lengths: list[int | st
     hf = AutoModelForCausalLM.from_pretrained(target.path, dtype=torch_dtype).to(dev).eval()
     eos = decoders[0]._engine.eos_token_ids
     pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else eos[0]
-    ints = [k for k in draft_lengths if isinstance(k, int) and k > 0]
-    k = max(ints) if ints else DEFAULT_HF_K
     decoders.append(HFDecoder(HF_PLAIN, hf, eos, pad))
     assisted, lookup = f"hf_assisted_k{k}", f"hf_prompt_lookup_k{k}"
-    na: dict[str, str] = {}
     if "ngram" in drafts:
         decoders.append(HFDecoder(lookup, hf, eos, pad, "prompt_lookup", prompt_lookup=True, draft_length=k))
     else:
@@ -233,6 +245,22 @@ def build_decoders(target: LoadedModel, draft: str, draft_lengths: list[int | st
     else:
         na["hf_assisted"] = "runs with --draft PATH, a draft model checkpoint"
     return DecoderSet(decoders, na)
+
+
+def _llamacpp_decoders(target: LoadedModel, k: int, ngram: bool, na: dict[str, str]) -> list[Decoder]:
+    """llama.cpp's plain decoding on the target's GGUF file, and its prompt lookup at k with ngram."""
+    from services.bench.llamacpp import LlamaCppDecoder, lookup_binary
+
+    gguf = gguf_file(target.name)
+    if gguf is None:
+        raise ValueError(f"--peers llamacpp: the target {target.name!r} is not a GGUF file llama.cpp can read")
+    binary, eos = lookup_binary(), target.eos_token_ids
+    out = [LlamaCppDecoder(LLAMACPP_PLAIN, gguf, target.tokenizer, eos, 0, binary)]
+    if ngram:
+        out.append(LlamaCppDecoder(f"llamacpp_lookup_k{k}", gguf, target.tokenizer, eos, k, binary))
+    else:
+        na["llamacpp_lookup"] = "runs with --draft ngram"
+    return out
 
 
 def _engine_decoders(target: LoadedModel, draft: str, draft_lengths: list[int | str], tree_size: int | None,

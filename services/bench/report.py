@@ -10,7 +10,7 @@ import platform
 import subprocess
 from pathlib import Path
 
-from services.bench.decoders import HF_PLAIN, PLAIN
+from services.bench.decoders import HF_PLAIN, LLAMACPP, LLAMACPP_PLAIN, PLAIN
 from services.bench.spec import ALL
 
 REPO = Path(__file__).resolve().parents[2]
@@ -109,19 +109,22 @@ def spec_markdown(result: dict) -> str:
     s, m = result["settings"], result["meta"]
     cats = [g for g in result["summary"] if g != ALL]
     n = len(result["questions"])
+    llamacpp = any(c["engine"] == LLAMACPP for c in result["configs"])
     lines = [f"Spec-Bench: {n} questions ({', '.join(cats)}; first turn, chat template), target "
              f"{result['target']}, draft {result['draft']}, temperature {s['temperature']:g}, max "
              f"{s['max_tokens']} tokens{_grammar(s)}, median of {s['repeats']} interleaved repeats. {stamp(m)}.", "",
-             "| configuration | engine | tokens/s | speedup | x HF generate | MAL | acceptance |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             "| configuration | engine | tokens/s | speedup | x HF generate |" + (" x llama.cpp |" if llamacpp else "")
+             + " MAL | acceptance |", "| --- | --- | --- | --- | --- |" + (" --- |" if llamacpp else "") + " --- | --- |"]
     overall = result["summary"][ALL]
     for c in result["configs"]:
         o = overall[c["name"]]
+        x_llamacpp = f" {_f(o.get('x_llamacpp'))} |" if llamacpp else ""
         lines.append(f"| {c['name']} | {c['engine']} | {_f(o['tokens_per_s'], '{:.1f}')} | {_f(o['speedup'])} | "
-                     f"{_f(o['x_hf_generate'])} | {_f(o['mal'])} | {_f(o['acceptance_rate'])} |")
+                     f"{_f(o['x_hf_generate'])} |{x_llamacpp} {_f(o['mal'])} | {_f(o['acceptance_rate'])} |")
     for name, why in result["not_applicable"].items():
-        lines.append(f"| {name} | hf | n/a | n/a | n/a | n/a | n/a ({why}) |")
-    spec = [c["name"] for c in result["configs"] if c["name"] not in (PLAIN, HF_PLAIN)]
+        lines.append(f"| {name} | {LLAMACPP if name.startswith('llamacpp') else 'hf'} | n/a | n/a | n/a |"
+                     + (" n/a |" if llamacpp else "") + f" n/a | n/a ({why}) |")
+    spec = [c["name"] for c in result["configs"] if c["name"] not in (PLAIN, HF_PLAIN, LLAMACPP_PLAIN)]
     if spec:
         lines += ["", "Speedup over the same engine's plain decoding (MAL), per category:", "",
                   "| category | questions | " + " | ".join(spec) + " |",
@@ -133,6 +136,9 @@ def spec_markdown(result: dict) -> str:
             label = f"**{g}**" if g == ALL else g
             lines.append(f"| {label} | {row[spec[0]]['questions']} | " + " | ".join(cells) + " |")
     lines += ["", identity_line(result)]
+    if result.get("errors"):
+        lines += ["", f"Errors ({len(result['errors'])} runs, left out of the numbers): " + "; ".join(
+            f"question {e['question_id']} {e['config']}: {e['error']}" for e in result["errors"][:3])]
     return "\n".join(lines) + "\n"
 
 
@@ -142,22 +148,24 @@ def identity_line(result: dict) -> str:
         return "Token identity: not checked (temperature > 0: outputs are samples)."
     n, k = len(result["questions"]), len(result["configs"])
     text = f"Token identity at temperature 0 (reference: {ident['reference']}, or the plain decoder on the same weights): "
-    if ident["identical"]:
+    seen = {}
+    for mm in ident["mismatches"]:
+        seen.setdefault((mm["question_id"], mm["config"]), mm)
+    if not seen:
         text += f"all {k} configurations produced the tokens of their reference on all {n} prompts"
     else:
-        seen = {}
-        for mm in ident["mismatches"]:
-            seen.setdefault((mm["question_id"], mm["config"]), mm)
-        text += f"**{len(seen)} differences**: " + "; ".join(
+        text += ("" if ident["identical"] else "**") + f"{len(seen)} differences" + (
+            " (peers only: this engine's configurations all matched)" if ident["identical"] else "**") + ": " + "; ".join(
             f"question {q} {c} at token {mm['position']} ({mm['got']} instead of {mm['expected']})"
             for (q, c), mm in seen.items())
     if ident["length_differences"]:
         text += f"; {len(ident['length_differences'])} runs equal over the common length but of another length"
-    cross = ident.get("plain_vs_hf")
-    if cross and cross["identical"] < cross["questions"]:
-        at = ", ".join(str(p) for p in sorted(cross["first_difference_at"]))
-        text += (f". This engine's plain decoding (its weights as loaded) gave HF generate's tokens on "
-                 f"{cross['identical']} of {cross['questions']} prompts (first differences at tokens {at or '-'})")
+    for key, peer in (("plain_vs_hf", "HF generate's"), ("plain_vs_llamacpp", "llama.cpp's plain")):
+        cross = ident.get(key)
+        if cross and cross["identical"] < cross["questions"]:
+            at = ", ".join(str(p) for p in sorted(cross["first_difference_at"]))
+            text += (f". This engine's plain decoding (its weights as loaded) gave {peer} tokens on "
+                     f"{cross['identical']} of {cross['questions']} prompts (first differences at tokens {at or '-'})")
     return text + "."
 
 

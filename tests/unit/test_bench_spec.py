@@ -98,7 +98,8 @@ def test_spec_bench_writes_consistent_json_markdown_and_png(tmp_path, questions_
     assert overall["hf_assisted_k3"]["acceptance_rate"] is None  # HF does not report it
     assert result["identity"] == {"checked": True, "reference": "plain", "identical": True, "mismatches": [],
                                   "length_differences": [],  # float32 weights: plain is HF generate
-                                  "plain_vs_hf": {"questions": 3, "identical": 3, "first_difference_at": []}}
+                                  "plain_vs_hf": {"questions": 3, "identical": 3, "first_difference_at": []},
+                                  "plain_vs_llamacpp": None}  # not asked for
     for q in QUESTIONS:
         outs = result["outputs"][str(q["question_id"])]
         assert len({tuple(v) for v in outs.values()}) == 1
@@ -130,7 +131,7 @@ class WrongDecoder(Decoder):
 
 def test_identity_check_flags_a_decoder_whose_tokens_differ(tmp_path, questions_file, tiny_target):
     target = load_model(str(tiny_target))
-    decoders = build_decoders(target, "ngram", [3], peers=False).decoders
+    decoders = build_decoders(target, "ngram", [3], peers=()).decoders
     wrong = WrongDecoder(EngineDecoder("plain_again", target, None, "none", 0), position=3)
     questions = load_questions(questions_file)
     prompts = [encode_prompt(target.tokenizer, q.text, chat=True) for q in questions]
@@ -152,7 +153,7 @@ def test_identity_check_flags_a_decoder_whose_tokens_differ(tmp_path, questions_
 
 def test_no_identity_check_above_temperature_zero(questions_file, tiny_target):
     target = load_model(str(tiny_target))
-    decoders = build_decoders(target, "ngram", [2], peers=False).decoders
+    decoders = build_decoders(target, "ngram", [2], peers=()).decoders
     questions = load_questions(questions_file, limit=1)
     prompts = [encode_prompt(target.tokenizer, q.text, chat=True) for q in questions]
     result = run_spec(questions, prompts, decoders,
@@ -169,6 +170,6 @@ def test_no_identity_check_above_temperature_zero(questions_file, tiny_target):
 
 def test_adaptive_draft_length_reaches_the_engine(tiny_target):
     target = load_model(str(tiny_target))
-    decoders = build_decoders(target, "ngram", [2, "adaptive"], peers=False).decoders
+    decoders = build_decoders(target, "ngram", [2, "adaptive"], peers=()).decoders
     assert [d.name for d in decoders] == ["plain", "ngram_k2", "ngram_adaptive"]
     assert decoders[2]._engine.config.draft_length == "adaptive"
