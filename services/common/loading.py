@@ -207,10 +207,25 @@ def load_model(spec: str, device: str = "cpu", dtype: str | None = None, weights
     if weights:
         blocks = native_blocks(spec, config, dev) if weight_format == "native" else {}
         model = LlamaModel(config, load_weights(ckpt, skip=set(blocks)), dev, dt, blocks)
-        if blocks:
-            log.info("%s: %d quantized weights run as stored, %.0f MB of weights held", spec, len(blocks),
+        native = len(blocks)
+        del blocks  # the model keeps what it runs on; the rest of the file's blocks go now
+        release_freed_memory()
+        if native:
+            log.info("%s: %d quantized weights run as stored, %.0f MB of weights held", spec, native,
                      model.weight_bytes() / 1e6)
     return LoadedModel(name=spec, path=ckpt, config=config, tokenizer=tokenizer, model=model)
+
+
+def release_freed_memory() -> None:
+    """Give back to the OS the heap that loading freed (the transient float and int32 copies that
+    packing makes: on the default target about 170 MB stays resident otherwise, as glibc keeps
+    freed heap). A no-op where the C library is not glibc."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def load_tensor(ckpt: Path, name: str) -> torch.Tensor:

@@ -7,6 +7,11 @@ LOGIT_BOUND (absolute; its logits reach about 30-40) of the float32 dequantized 
 64 rows of one forward.
 """
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import gguf
 import numpy as np
 import pytest
@@ -77,6 +82,31 @@ def test_native_weights_hold_a_tenth_of_float32(default_native, default_model):
     assert default_native.model.weight_bytes() < 150e6  # Q4_1 layers and a Q8_0 embedding/head: about 132 MB
     assert default_model.model.weight_bytes() > 500e6  # float32 (and where used, its blocked copy)
     assert default_native.model.embed is None and default_native.model.lm_head.dense is None
+
+
+RESIDENT_SCRIPT = """
+import os, sys
+from services.common.loading import load_model
+
+def rss():
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmRSS"))
+
+load_model("default", weights=False)  # the runtime: torch, transformers, the tokenizer
+before = rss()
+model = load_model("default")
+print(rss() - before, model.model.weight_bytes())
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads VmRSS from Linux's /proc")
+def test_the_native_default_target_adds_at_most_250_mb_of_resident_memory():
+    """The issue's bound on the verifier's memory, less the Python runtime every role has: what
+    loading the model leaves resident (its weights plus what loading did not give back)."""
+    env = {k: v for k, v in os.environ.items() if k != "SPECSERVE_HOME"}  # the cache `make setup` prepared
+    out = subprocess.run([sys.executable, "-c", RESIDENT_SCRIPT], capture_output=True, text=True, check=True,
+                         env=env, cwd=Path(__file__).resolve().parents[2]).stdout.split()
+    added, weights = int(out[-2]), int(out[-1])
+    assert weights < 150e6 and added <= 250e6, f"{added / 1e6:.0f} MB resident for {weights / 1e6:.0f} MB of weights"
 
 
 def test_a_bad_weight_format_is_refused(home):
