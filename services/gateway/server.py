@@ -31,6 +31,11 @@ from services.gateway.tokenization import PromptTokenizer
 
 log = logging.getLogger(__name__)
 
+# Idle HTTP connections are kept longer than clients keep them (httpx and the openai client: 5 s,
+# uvicorn's own default too): when both sides time out together, a client may send a request on
+# the connection the server is closing and lose it (a ReadError seen once in the overload test).
+KEEP_ALIVE_S = 75
+
 
 class EmbeddedUvicorn(uvicorn.Server):
     """A uvicorn server that leaves signal handling to the caller (uvicorn 0.29+ uses
@@ -107,7 +112,7 @@ async def serve_gateway(args) -> None:
     add_to_server(servicer, grpc_server.server)
     sock = bind_http_socket(args.host, int(args.http_port))
     http = EmbeddedUvicorn(uvicorn.Config(create_app(gateway), log_level="warning", log_config=None,
-                                          access_log=False, lifespan="off",
+                                          access_log=False, lifespan="off", timeout_keep_alive=KEEP_ALIVE_S,
                                           timeout_graceful_shutdown=max(1, int(grace)), **tls.uvicorn_options()))
     http_task = asyncio.create_task(_serve_http(http, sock), name="gateway-http")
 
