@@ -68,7 +68,8 @@ def main() -> None:
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"One forward of n rows after {args.context} cached tokens, {args.target}, median of {args.repeats} "
           f"interleaved repeats. {stamp(meta(sys.argv))}.\n")
-    print("| rows | native ms | float32 ms | native / float32 | native, float32 attention ms | float64 attention's share |")
+    print("| rows | native ms | float32 ms | native / float32 | native, float32 attention ms "
+          "| float64 attention's share |")
     print("| --- | --- | --- | --- | --- | --- |")
     for r in rows:
         n, f, a = med[("native", r)], med[("float32", r)], med[("native_attention_f32", r)]

@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from services.common.prompt import encode_prompt  # noqa: E402
 from services.common.loading import default_gguf_path, load_model, load_weights  # noqa: E402
+from services.common.machine import cpu_model  # noqa: E402
 from services.draft.slim import COUNTS_NAME  # noqa: E402
 from services.draft.training import teacher  # noqa: E402
 from services.draft.training.export import write_gguf  # noqa: E402
@@ -197,7 +198,7 @@ def main(argv=None) -> int:
         "eval_before": before, "eval_after": result["eval"], "export": export,
         "history": result["history"], "threads": args.threads,
         "load_average": list(os.getloadavg()),
-        "machine": f"{platform.machine()} {platform.processor() or ''} {_cpu_name()}".strip(),
+        "machine": f"{platform.machine()} {platform.processor() or ''} {cpu_model()}".strip(),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "total_seconds": time.monotonic() - started,
         "gguf_bytes": (out / GGUF_NAME).stat().st_size,
@@ -213,16 +214,6 @@ def _threads(value: str) -> int:
         return max(1, int(value))
     cores = min(2, os.cpu_count() or 1)
     return 1 if os.getloadavg()[0] >= cores else cores
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from services.common.loading import load_model, load_weights  # noqa: E402
+from services.common.machine import cpu_model  # noqa: E402
 from services.common.vocab import vocabulary_digest  # noqa: E402
 from services.draft.feature_head import FeatureHead, HeadConfig, init_from_head, init_from_target  # noqa: E402
 from services.draft.slim import kept_ids  # noqa: E402
@@ -166,9 +167,7 @@ An EAGLE-3-style head (services/draft/feature_head.py): the target's states afte
 
 
 def machine() -> str:
-    name = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                 if line.startswith("model name")), "") if Path("/proc/cpuinfo").exists() else ""
-    return f"{platform.machine()} {name}".strip()
+    return f"{platform.machine()} {cpu_model()}".strip()
 
 
 if __name__ == "__main__":

@@ -12,21 +12,14 @@ from pathlib import Path
 
 from services.bench.decoders import HF_PLAIN, LLAMACPP, LLAMACPP_PLAIN, PLAIN
 from services.bench.spec import ALL
+from services.common.machine import cpu_model
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def machine() -> dict:
     """What ran the benchmark: CPU, cores, torch threads, accelerator, library versions."""
-    cpu = platform.processor() or "unknown cpu"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    info = {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+    info = {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
             "platform": platform.platform()}
     try:
         import torch
@@ -114,7 +107,8 @@ def spec_markdown(result: dict) -> str:
              f"{result['target']}, draft {result['draft']}, temperature {s['temperature']:g}, max "
              f"{s['max_tokens']} tokens{_grammar(s)}, median of {s['repeats']} interleaved repeats. {stamp(m)}.", "",
              "| configuration | engine | tokens/s | speedup | x HF generate |" + (" x llama.cpp |" if llamacpp else "")
-             + " MAL | acceptance |", "| --- | --- | --- | --- | --- |" + (" --- |" if llamacpp else "") + " --- | --- |"]
+             + " MAL | acceptance |",
+             "| --- | --- | --- | --- | --- |" + (" --- |" if llamacpp else "") + " --- | --- |"]
     overall = result["summary"][ALL]
     for c in result["configs"]:
         o = overall[c["name"]]
@@ -154,8 +148,9 @@ def identity_line(result: dict) -> str:
     if not seen:
         text += f"all {k} configurations produced the tokens of their reference on all {n} prompts"
     else:
-        text += ("" if ident["identical"] else "**") + f"{len(seen)} differences" + (
-            " (peers only: this engine's configurations all matched)" if ident["identical"] else "**") + ": " + "; ".join(
+        count = (f"{len(seen)} differences (peers only: this engine's configurations all matched)"
+                 if ident["identical"] else f"**{len(seen)} differences**")
+        text += count + ": " + "; ".join(
             f"question {q} {c} at token {mm['position']} ({mm['got']} instead of {mm['expected']})"
             for (q, c), mm in seen.items())
     if ident["length_differences"]:

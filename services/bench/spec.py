@@ -104,6 +104,7 @@ def run_spec(questions: list[Question], prompts: list[list[int]], decoders: list
         bar.close()
     configs = [d.describe() for d in decoders]
     engines = {d.name: d.engine for d in decoders}
+    ours_differ = any(engines[m["config"]] == OURS for m in mismatches)
     return {
         "kind": "spec",
         "settings": asdict(settings),
@@ -117,7 +118,7 @@ def run_spec(questions: list[Question], prompts: list[list[int]], decoders: list
         "summary": summarize(runs, configs, categories_in_order(questions), settings.repeats),
         "identity": {"checked": settings.temperature == 0, "reference": reference,
                      # ours must be lossless; a peer that is not (llama.cpp's lookup) is reported, not failed
-                     "identical": settings.temperature == 0 and not [m for m in mismatches if engines[m["config"]] == OURS],
+                     "identical": settings.temperature == 0 and not ours_differ,
                      "mismatches": mismatches, "length_differences": length_diffs,
                      "plain_vs_hf": plain_vs(outputs, HF_PLAIN) if settings.temperature == 0 else None,
                      "plain_vs_llamacpp": plain_vs(outputs, LLAMACPP_PLAIN) if settings.temperature == 0 else None},

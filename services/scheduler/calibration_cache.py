@@ -15,26 +15,15 @@ import hashlib
 import json
 import logging
 import os
-import platform
 from functools import lru_cache
 from pathlib import Path
 
 from services.common.loading import specserve_home
+from services.common.machine import cpu_model
 
 log = logging.getLogger(__name__)
 
 SOURCES = Path(__file__).resolve().parents[1]  # services/
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 @lru_cache(maxsize=1)
