@@ -4,7 +4,7 @@ The source is the `llama-cpp-python` source package from PyPI, which vendors lla
 registry this project's machines reach). Only the tools the benchmark runs are built:
 `llama-lookup` (plain decoding with no draft, prompt-lookup decoding with one) and `llama-bench`
 (its own tg/pp numbers). The binaries are cached under SPECSERVE_HOME/peers/llama.cpp-VERSION/bin,
-so a second run builds nothing. It stays out of `make setup` and CI: about 13 minutes on 2 cores.
+so a second run builds nothing. It stays out of `make setup` and CI: 7-13 minutes on 2 cores.
 
     python scripts/build_llamacpp.py [--version 0.3.36] [--jobs 2]
 """

@@ -50,6 +50,7 @@ class Decoder(ABC):
     baseline: str  # the same engine's plain decoder
     draft: str  # none, ngram, self, a checkpoint path, or prompt_lookup
     draft_length: int | str | None
+    warms_up = True  # runs once untimed before the benchmark (allocations, lazy initialisation)
 
     @abstractmethod
     def decode(self, prompt_ids: list[int], params: SamplingParams) -> Decoded:

@@ -46,6 +46,7 @@ class LlamaCppDecoder(Decoder):
 
     engine = LLAMACPP
     baseline = LLAMACPP_PLAIN
+    warms_up = False  # every request is a new process: a run here would warm nothing up
 
     def __init__(self, name: str, gguf: Path, tokenizer, eos_token_ids: tuple[int, ...], draft_length: int,
                  binary: Path | None = None, threads: int | None = None, context: int = 4096):

@@ -62,11 +62,8 @@ def run_spec(questions: list[Question], prompts: list[list[int]], decoders: list
     if len(set(names)) != len(names):
         raise ValueError(f"decoder names must be unique, got {names}")
     if settings.warmup:  # first calls pay for allocations and lazy initialisation: not measured
-        for d in decoders:
-            try:
-                d.decode(prompts[0], settings.params(0, min(WARMUP_TOKENS, settings.max_tokens)))
-            except PeerError:
-                pass  # the measured runs record it
+        for d in (d for d in decoders if d.warms_up):
+            d.decode(prompts[0], settings.params(0, min(WARMUP_TOKENS, settings.max_tokens)))
     runs, outputs, mismatches, length_diffs, errors = [], {}, [], [], []
     reference = PLAIN if PLAIN in names else names[0]
     refs = {d.name: d.reference if d.reference in names else reference for d in decoders}
