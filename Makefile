@@ -97,7 +97,7 @@ bench-load:
 
 # Everything GPU-side in one call (for the device machine: its system python has torch and cupy).
 gpu-check:
-	python3 -m kernels.gpu_check --out $${OUT:-gpu-out}
+	python3 -m services.kernels.gpu_check --out $${OUT:-gpu-out}
 
 clean:
 	rm -rf $(VENV) .pytest_cache .run

@@ -48,8 +48,8 @@ def pick_tree_attention(device: torch.device, dtype: torch.dtype, head_dim: int)
     SDPA and an explicit mask, the reference semantics)."""
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or head_dim not in (64, 128):
         return None
-    from kernels import kernel_available
-    from kernels.tree_attention import tree_attention_cuda
+    from services.kernels import kernel_available
+    from services.kernels.tree_attention import tree_attention_cuda
 
     return tree_attention_cuda if kernel_available() else None
 

@@ -4,6 +4,7 @@ real files have no problems, and each rule catches a broken copy (tests/deploy_c
 from __future__ import annotations
 
 import copy
+import importlib.metadata
 import shutil
 import subprocess
 
@@ -35,6 +36,16 @@ def test_healthcheck_script_is_where_compose_runs_it():
         test = compose["services"][role]["healthcheck"]["test"]
         script = next(a for a in test if a.endswith(".py"))
         assert script.startswith("/app/") and (ROOT / script[len("/app/"):]).is_file(), script
+
+
+def test_no_top_level_package_shadows_an_installed_distribution():
+    """The checkout's packages import before site-packages: one named like another installed
+    distribution's package hides it (ours was `kernels` until transformers 5.25 required Hugging
+    Face's `kernels` and then imported ours)."""
+    installed = importlib.metadata.packages_distributions()  # import name -> distributions
+    ours = {path.parent.name for path in ROOT.glob("*/__init__.py")}
+    clashes = {name: set(installed.get(name, ())) - {"specserve"} for name in ours}
+    assert {name: dists for name, dists in clashes.items() if dists} == {}
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")

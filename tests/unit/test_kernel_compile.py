@@ -1,6 +1,8 @@
-"""kernels/tree_attention.cu compiles with nvcc for sm_80 and sm_90, warnings as errors, no spills.
+"""services/kernels/tree_attention.cu compiles with nvcc for sm_80 and sm_90, warnings as errors, no
+spills.
 
-Nothing here runs the kernel (no GPU on CI); kernels/gpu_check.py does that on a GPU machine.
+Nothing here runs the kernel (no GPU on CI); services/kernels/gpu_check.py does that on a GPU
+machine.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import subprocess
 import pytest
 import torch
 
-from kernels.tree_attention import CUDA_SOURCE_PATH, VARIANTS, kernel_name
+from services.kernels.tree_attention import CUDA_SOURCE_PATH, VARIANTS, kernel_name
 
 NVCC = shutil.which("nvcc")
 # Warnings from the front end, the host compiler and ptxas (incl. spills) all fail the build.
@@ -24,7 +26,7 @@ ENTRY_POINTS = [kernel_name(variant, dtype, dim) for variant in VARIANTS
 @pytest.fixture
 def nvcc() -> str:
     if NVCC is None:
-        pytest.skip("nvcc not found on PATH: cannot compile kernels/tree_attention.cu")
+        pytest.skip("nvcc not found on PATH: cannot compile services/kernels/tree_attention.cu")
     return NVCC
 
 

@@ -150,8 +150,8 @@ def test_positions_past_the_context_are_refused(tmp_path, home):
 
 
 def test_tree_attention_backend_is_the_kernel_only_on_cuda(monkeypatch, tiny_target):
-    import kernels
-    from kernels.tree_attention import tree_attention_cuda
+    from services import kernels
+    from services.kernels.tree_attention import tree_attention_cuda
     from services.common.llama import pick_tree_attention
 
     lm = load_model(str(tiny_target))

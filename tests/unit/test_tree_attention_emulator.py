@@ -1,4 +1,5 @@
-"""The mma kernel's index math, emulated on the CPU (kernels/mma_emulator.py), vs the reference.
+"""The mma kernel's index math, emulated on the CPU (services/kernels/mma_emulator.py), vs the
+reference.
 
 The emulator transcribes tree_attention_mma with the PTX fragment layouts; these cases cover
 multiple row tiles per (request, kv head), a node index >= 128 (third bitset word), more KV tiles
@@ -11,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.mma_emulator import emulate_tree_attention_mma
-from kernels.reference import tree_attention_reference
+from services.kernels.mma_emulator import emulate_tree_attention_mma
+from services.kernels.reference import tree_attention_reference
 
 
 def _random_tree(size: int, gen: torch.Generator) -> list[int]:

@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
-from kernels import select_tree_attention
-from kernels.reference import ancestor_mask, tree_attention_reference
-from kernels.validation import check_tree_attention_inputs
+from services import kernels
+from services.kernels import select_tree_attention
+from services.kernels.reference import ancestor_mask, tree_attention_reference
+from services.kernels.validation import check_tree_attention_inputs
 
 
 # ---------------------------------------------------------------- helpers
@@ -291,7 +291,7 @@ def test_select_returns_reference_on_cpu():
 
 
 def test_select_returns_reference_on_cuda_without_cupy(monkeypatch):
-    import kernels.tree_attention as wrapper
+    import services.kernels.tree_attention as wrapper
 
     monkeypatch.setattr(wrapper, "cupy_available", lambda: False)
     assert select_tree_attention(torch.device("cuda")) is tree_attention_reference
@@ -299,7 +299,7 @@ def test_select_returns_reference_on_cuda_without_cupy(monkeypatch):
 
 
 def test_select_returns_kernel_on_cuda_with_cupy(monkeypatch):
-    import kernels.tree_attention as wrapper
+    import services.kernels.tree_attention as wrapper
 
     monkeypatch.setattr(wrapper, "cupy_available", lambda: True)
     assert select_tree_attention(torch.device("cuda", 0)) is wrapper.tree_attention_cuda

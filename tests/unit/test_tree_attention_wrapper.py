@@ -9,9 +9,9 @@ import sys
 import pytest
 import torch
 
-from kernels import baselines, gpu_check
-from kernels import tree_attention as wrapper
-from kernels.reference import tree_attention_reference
+from services.kernels import baselines, gpu_check
+from services.kernels import tree_attention as wrapper
+from services.kernels.reference import tree_attention_reference
 
 
 def test_wrapper_validates_before_touching_cupy(monkeypatch):
@@ -83,7 +83,7 @@ def test_loop_sdpa_baseline_computes_tree_attention():
 
 
 def test_gpu_check_help_runs_on_cpu():
-    result = subprocess.run([sys.executable, "-m", "kernels.gpu_check", "--help"],
+    result = subprocess.run([sys.executable, "-m", "services.kernels.gpu_check", "--help"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "--out" in result.stdout and "--dry-run" in result.stdout

@@ -1,7 +1,7 @@
 """One-call GPU check of the tree-attention kernel (`make gpu-check` on a CUDA machine).
 
-    python -m kernels.gpu_check --out DIR [--quick] [--iters 30] [--budget-s 240]
-    python -m kernels.gpu_check --out DIR --dry-run   # the script itself, on a CPU, tiny shapes
+    python -m services.kernels.gpu_check --out DIR [--quick] [--iters 30] [--budget-s 240]
+    python -m services.kernels.gpu_check --out DIR --dry-run  # the script itself: CPU, tiny shapes
 
 1. compiles the CuPy module; records registers, local memory (spills) and shared memory;
 2. correctness: variants simple and mma x fp16/bf16, fresh random inputs per case over ragged
@@ -67,7 +67,8 @@ TIME_SHAPES = [GOAL_SHAPE, (2048, 16, 1), (2048, 64, 16), (2048, 128, 32), (4096
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m kernels.gpu_check", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m services.kernels.gpu_check",
+                                     description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, type=Path, help="folder for gpu_check.md/.json")
     parser.add_argument("--quick", action="store_true", help="fewer shapes (about a minute)")
@@ -154,11 +155,11 @@ class Backend:
     def prepare(self, *inputs, variant: str = "mma", out=None, check_parents: bool = True):
         """A launch object with run() -> out ([N, H, D])."""
         if not self.dry_run:
-            from kernels.tree_attention import prepare_tree_attention
+            from services.kernels.tree_attention import prepare_tree_attention
 
             return prepare_tree_attention(*inputs, variant=variant, out=out,
                                           check_parents=check_parents)
-        from kernels.reference import tree_attention_reference
+        from services.kernels.reference import tree_attention_reference
 
         class ReferenceLaunch:
             def run(self_inner):
@@ -185,7 +186,7 @@ def copy_bandwidth(backend: Backend, iters: int, warmup: int) -> dict:
 
 
 def kernel_resources() -> list[dict]:
-    from kernels import tree_attention as ta
+    from services.kernels import tree_attention as ta
 
     device_index = torch.cuda.current_device()
     rows = []
@@ -203,7 +204,7 @@ def kernel_resources() -> list[dict]:
 
 def check_case(backend: Backend, shape: Shape, dtype: torch.dtype, variant: str, seed: int,
                heads_outer: bool) -> dict:
-    from kernels.reference import tree_attention_reference
+    from services.kernels.reference import tree_attention_reference
 
     inputs = make_inputs(shape, dtype, seed, heads_outer=heads_outer, device=backend.device)
     q, k_caches, v_caches, prefix_lens, tree_sizes, parents = inputs
@@ -229,7 +230,8 @@ def check_case(backend: Backend, shape: Shape, dtype: torch.dtype, variant: str,
 
 def time_case(backend: Backend, prefix: int, tree: int, batch: int, dtype: torch.dtype, args,
               copy_bw: dict) -> dict:
-    from kernels.baselines import build_loop_inputs, build_padded_inputs, run_loop, run_padded
+    from services.kernels.baselines import (build_loop_inputs, build_padded_inputs, run_loop,
+                                            run_padded)
 
     shape = Shape(f"L{prefix}_T{tree}_B{batch}", (prefix,) * batch, (tree,) * batch, "random")
     inputs = make_inputs(shape, dtype, args.seed + prefix + tree + batch, poison_garbage=False,

@@ -4,7 +4,7 @@ No GPU was available when the kernel was written, so its index math (fragment la
 addressing, P reuse, masking, online softmax, pipeline stages, row/node mapping) is checked here
 against the reference. The "hardware" helpers (mma, ldmatrix, shfl) implement the PTX ISA's
 documented fragment layouts independently of the kernel; the kernel part mirrors the .cu source
-statement by statement. It cannot catch races or compiler issues: kernels/gpu_check.py on a GPU
+statement by statement. It cannot catch races or compiler issues: gpu_check.py on a GPU
 does that. When you change tree_attention_mma, change this transcription the same way.
 
     out = emulate_tree_attention_mma(q, k_caches, v_caches, prefix_lens, tree_sizes, parents)
@@ -193,7 +193,7 @@ def _block(q, out, parents, req, b, g, m0, num_heads, group, dim, dtype, scale_l
 
 def emulate_tree_attention_mma(q, k_caches, v_caches, prefix_lens, tree_sizes, parents,
                                scale=None) -> torch.Tensor:
-    """Same call and result as kernels.reference (fp16/bf16, D in {64, 128}); slow."""
+    """Same call and result as services.kernels.reference (fp16/bf16, D in {64, 128}); slow."""
     _, num_heads, dim = q.shape
     num_kv_heads = k_caches[0].shape[0]
     group = num_heads // num_kv_heads

@@ -25,7 +25,7 @@ from typing import Sequence
 
 import torch
 
-from kernels.validation import check_tree_attention_inputs
+from services.kernels.validation import check_tree_attention_inputs
 
 __all__ = ["ancestor_mask", "tree_attention_reference"]
 

@@ -3,7 +3,7 @@
     attn = select_tree_attention(device)
     out = attn(q, k_caches, v_caches, prefix_lens, tree_sizes, parents, scale=None)
 
-See kernels/reference.py for the shapes and the exact semantics, kernels/NOTES.md for the design.
+See reference.py (beside this file) for the shapes and the exact semantics, NOTES.md for the design.
 """
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ from typing import Callable
 
 import torch
 
-from kernels.reference import tree_attention_reference
+from services.kernels.reference import tree_attention_reference
 
 __all__ = ["kernel_available", "select_tree_attention", "tree_attention_reference"]
 
 
 def kernel_available() -> bool:
     """True when cupy imports and torch sees a CUDA device (the kernel can be launched)."""
-    from kernels.tree_attention import cupy_available
+    from services.kernels.tree_attention import cupy_available
 
     return cupy_available() and torch.cuda.is_available()
 
@@ -28,7 +28,7 @@ def select_tree_attention(device: torch.device) -> Callable[..., torch.Tensor]:
     """The CUDA kernel wrapper for a CUDA device when cupy imports, the torch reference otherwise."""
     device = torch.device(device)
     if device.type == "cuda":
-        from kernels.tree_attention import cupy_available, tree_attention_cuda
+        from services.kernels.tree_attention import cupy_available, tree_attention_cuda
 
         if cupy_available():
             return tree_attention_cuda

@@ -1,8 +1,8 @@
-"""CuPy wrapper around kernels/tree_attention.cu (same call as kernels.reference).
+"""CuPy wrapper around services/kernels/tree_attention.cu (same call as services.kernels.reference).
 
     out = tree_attention_cuda(q, k_caches, v_caches, prefix_lens, tree_sizes, parents, scale=None)
 
-Shapes and semantics: kernels/reference.py. Every input is validated from tensor metadata before
+Shapes and semantics: reference.py. Every input is validated from tensor metadata before
 anything is launched (ValueError naming the argument). cupy is imported lazily, so this module
 imports on a machine without cupy or a GPU. The per-request caches are read in place: the kernel
 gets one int64 metadata row per request (K/V pointers, head and row strides, L, T, q offset).
@@ -23,7 +23,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from kernels.validation import check_tree_attention_inputs
+from services.kernels.validation import check_tree_attention_inputs
 
 __all__ = [
     "CUDA_SOURCE_PATH", "TreeAttentionLaunch", "VARIANTS", "build_metadata", "cupy_available",

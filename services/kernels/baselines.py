@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from kernels.reference import ancestor_mask
+from services.kernels.reference import ancestor_mask
 
 __all__ = ["LoopInputs", "PaddedInputs", "build_loop_inputs", "build_padded_inputs",
            "loop_output", "run_loop", "run_padded", "tree_visibility", "unpad"]
