@@ -1,11 +1,11 @@
 """Benchmark: the verify cost curve, one target forward of n rows after a cached prompt.
 
-For the default target (or --target) on native GGUF weights and on float32, and native weights
-with float32 attention (what the float64 attention that keeps plain decoding and verification
-bitwise equal costs; not a served setting), the time of one forward of a chain of n new rows
-after a `--context`-token prefix, the cache rolled back after each. The three models run
-interleaved per repeat; medians over repeats. This is what the latency model learns at load, and
-what decides how many rows speculation can afford.
+For the default target (or --target) as served (native GGUF weights on the block kernel, float32
+attention), on torch's int4 route (the fallback: bfloat16 activations, float64 attention) and on
+float32 weights, the time of one forward of a chain of n new rows after a `--context`-token
+prefix, the cache rolled back after each. The three models run interleaved per repeat; medians
+over repeats. This is what the latency model learns at load, and what decides how many rows
+speculation can afford.
 
     python scripts/bench_forward.py [--context 300] [--rows 1,2,4,8,16,32] [--repeats 15]
 """
@@ -13,6 +13,7 @@ what decides how many rows speculation can afford.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -25,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 from services.bench.report import meta, stamp  # noqa: E402
 from services.common.llama import Chunk, LlamaModel  # noqa: E402
 from services.common.loading import load_model  # noqa: E402
+from services.common.quant import ROUTE_ENV  # noqa: E402
 
 
 def forward_ms(model: LlamaModel, cache, rows: int) -> float:
@@ -45,35 +47,31 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=15)
     args = ap.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
-    native = load_model(args.target, weight_format="native").model
-    models = {"native": native, "float32": load_model(args.target, weight_format="float32").model}
+    models = {"native": load_model(args.target, weight_format="native").model}
+    os.environ[ROUTE_ENV] = "int4"
+    models["int4"] = load_model(args.target, weight_format="native").model
+    del os.environ[ROUTE_ENV]
+    models["float32"] = load_model(args.target, weight_format="float32").model
     prompt = list(range(100, 100 + args.context))
     caches = {}
     for name, m in models.items():
         caches[name] = m.new_cache(args.context + max(rows) + 8)
         m.forward([Chunk(caches[name], prompt, [-1] + list(range(len(prompt) - 1)), len(prompt) - 1)])
-    settings = {"native": (native, torch.float64), "float32": (models["float32"], None),
-                "native_attention_f32": (native, torch.float32)}
-    times = {(s, r): [] for s in settings for r in rows}
+    times = {(name, r): [] for name in models for r in rows}
     for rep in range(args.repeats + 1):  # the first round warms each shape up, untimed
-        for s, (m, attention) in settings.items():
-            if attention is not None:
-                m.attention_dtype = attention
-            cache = caches["native" if m is native else "float32"]
+        for name, m in models.items():
             for r in rows:
-                ms = forward_ms(m, cache, r)
+                ms = forward_ms(m, caches[name], r)
                 if rep:
-                    times[(s, r)].append(ms)
-    native.attention_dtype = torch.float64
+                    times[(name, r)].append(ms)
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"One forward of n rows after {args.context} cached tokens, {args.target}, median of {args.repeats} "
           f"interleaved repeats. {stamp(meta(sys.argv))}.\n")
-    print("| rows | native ms | float32 ms | native / float32 | native, float32 attention ms "
-          "| float64 attention's share |")
+    print("| rows | native ms | int4 route ms | float32 ms | native / int4 | native / float32 |")
     print("| --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        n, f, a = med[("native", r)], med[("float32", r)], med[("native_attention_f32", r)]
-        print(f"| {r} | {n:.1f} | {f:.1f} | {n / f:.2f} | {a:.1f} | {(n - a) / n:.0%} |")
+        n, i, f = med[("native", r)], med[("int4", r)], med[("float32", r)]
+        print(f"| {r} | {n:.1f} | {i:.1f} | {f:.1f} | {n / i:.2f} | {n / f:.2f} |")
 
 
 if __name__ == "__main__":

@@ -58,8 +58,8 @@ class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
                  device: torch.device, dtype: torch.dtype, blocks: dict[str, BlockTensor] | None = None):
         """weights: the float tensors; blocks: quantized weights read as stored from a GGUF file
-        (CPU only), which run natively where the int4 route takes them and replace their
-        entries in `weights` (a block it does not take is dequantized here)."""
+        (CPU only), which run natively where a native route takes them and replace their
+        entries in `weights` (a block none takes is dequantized here)."""
         self.config = c = config
         self.device, self.dtype = device, dtype
         self.matmul = Matmul(device, dtype)
@@ -78,8 +78,9 @@ class LlamaModel:
             parts = [blocks.get(n) for n in names]
             if all(parts) and len({p.kind for p in parts}) == 1:
                 fused = BlockTensor.cat(parts) if len(parts) > 1 else parts[0]
-                if quant.supports(fused):
-                    return Weight(None, None, quant.pack(fused))
+                native = quant.native_weight(fused)
+                if native is not None:
+                    return Weight(None, None, native)
             return self.matmul.weight(torch.cat([w(n) for n in names]))
 
         embed = "model.embed_tokens.weight"
@@ -111,8 +112,8 @@ class LlamaModel:
         # int4 matmuls round their inputs to bfloat16, which turns attention's last-bit differences
         # between row counts (a decode row, a verify tree) into different tokens; in float64 the
         # float32 results agree bitwise, so plain decoding and verification see the same logits.
-        native = any(w.native is not None for w in self.linear_weights())
-        self.attention_dtype = torch.float64 if native else dtype
+        rounds = any(getattr(w.native, "rounds_activations", False) for w in self.linear_weights())
+        self.attention_dtype = torch.float64 if rounds else dtype
         positions = torch.arange(c.max_positions, dtype=torch.float32)
         freqs = positions[:, None] * c.inv_freq[None, :].float()  # [max_positions, head_dim / 2]
         emb = torch.cat([freqs, freqs], dim=-1)
@@ -140,7 +141,10 @@ class LlamaModel:
         held = sum(unique.values())
         for w in self.linear_weights():
             held += w.nbytes() - (w.dense.numel() * w.dense.element_size() if w.dense is not None else 0)
-        kept = {id(b): b.nbytes() for b in (self.embed_blocks, self.head_blocks) if b is not None}
+        # the embedding's blocks, unless a native head multiplies by those very blocks (tied)
+        native = {id(getattr(w.native, "block", None)) for w in self.linear_weights()}
+        kept = {id(b): b.nbytes() for b in (self.embed_blocks, self.head_blocks)
+                if b is not None and id(b) not in native}
         return held + sum(kept.values())
 
     def linear_weights(self) -> list[Weight]:

@@ -10,7 +10,7 @@ F.linear streams the weights near memory speed at 1-3 rows (26-30 ms) but jumps 
 `Matmul.tune` times both routes on the model's own weights once at load to find `small_rows`,
 the row counts F.linear takes. Elsewhere (CUDA, half precision, or a build without oneDNN) it is
 F.linear on plain weights at every row count. A weight read natively from a GGUF file's quantized
-blocks (`services.common.quant`) has a single route, torch's int4 matmul, and no dense copy.
+blocks (`services.common.quant`) has a single route, the native kernel, and no dense copy.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from services.common.quant import Int4Weight, int4_linear
+from services.common.qmatmul import BlockWeight
+from services.common.quant import Int4Weight
 
 # The row count oneDNN's blocked layout is tuned for (a typical verify step of a small batch).
 PACK_ROWS = 16
@@ -40,7 +41,7 @@ class Weight(NamedTuple):
 
     dense: torch.Tensor | None
     packed: torch.Tensor | None
-    native: Int4Weight | None = None
+    native: BlockWeight | Int4Weight | None = None
 
     def nbytes(self) -> int:
         if self.native is not None:
@@ -145,7 +146,7 @@ class Matmul:
 
     def __call__(self, x: torch.Tensor, w: Weight, b: torch.Tensor | None = None) -> torch.Tensor:
         if w.native is not None:
-            return int4_linear(x, w.native, b)
+            return w.native.linear(x, b)
         if w.packed is None or x.shape[0] <= self.small_rows:
             return F.linear(x, w.dense, b)
         return _packed_linear(x, w.packed, b)

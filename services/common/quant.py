@@ -1,4 +1,8 @@
-"""Linear layers on a GGUF file's own quantized blocks, through torch's int4 CPU matmul.
+"""Linear layers on a GGUF file's own quantized blocks: the route for a block, and torch's int4 one.
+
+`native_weight` takes the float32 kernel of `services.common.qmatmul` where it builds on this
+machine, torch's int4 CPU matmul (below) where it does not; `SPECSERVE_NATIVE_MATMUL=int4`
+forces the latter (comparisons). Both hold the weights at the file's size.
 
 torch's `_weight_int4pack_mm_for_cpu` computes x @ w.T with w = (q - 8) * scale + zero per group
 of 32 inputs, q in 0..15: exactly the form of GGUF's 32-value blocks. Q4_0 (value (q - 8) * d) is
@@ -13,13 +17,16 @@ and plain decoding paths agree bitwise), also checked there.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
+from services.common import qmatmul
 from services.common.gguf_blocks import BLOCK, BlockTensor
 
 INNER_K_TILES = 2  # the CPU layout's k tiling (inputs a multiple of 64)
+ROUTE_ENV = "SPECSERVE_NATIVE_MATMUL"  # auto (default) or int4
 
 
 @dataclass
@@ -35,8 +42,13 @@ class Int4Weight:
     planes: list[Int4Plane]
     shape: tuple[int, int]
 
+    rounds_activations = True  # to bfloat16: see the module's docstring
+
     def nbytes(self) -> int:
         return sum(p.packed.numel() * p.packed.element_size() + p.scale_zeros.numel() * 2 for p in self.planes)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return int4_linear(x, self, bias)
 
 
 def _plane(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> Int4Plane:
@@ -72,3 +84,13 @@ def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None
         part = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, p.packed, BLOCK, p.scale_zeros).to(x.dtype)
         y = part if y is None else y + part
     return y if bias is None else y + bias
+
+
+def native_weight(block: BlockTensor) -> "qmatmul.BlockWeight | Int4Weight | None":
+    """The weight as a native route runs it, or None where neither takes it (dequantize then)."""
+    route = os.environ.get(ROUTE_ENV, "auto").strip() or "auto"
+    if route not in ("auto", "int4"):
+        raise ValueError(f"{ROUTE_ENV} must be auto or int4, not {route!r}")
+    if route == "auto" and qmatmul.supports(block):
+        return qmatmul.BlockWeight(block)
+    return pack(block) if supports(block) else None
