@@ -19,7 +19,7 @@ ENV PYTHONUNBUFFERED=1 \
     SPECSERVE_HOME=/var/lib/specserve \
     SPECSERVE_HOST=0.0.0.0
 
-# g++ builds the native matmul kernel for the CPU the container runs on (services/common/qmatmul.py).
+# g++ builds the CPU kernels for the CPU the container runs on (services/common/cpu_kernels.py).
 RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 RUN useradd --uid "${UID}" --create-home --shell /usr/sbin/nologin specserve \
     && mkdir -p /app /var/lib/specserve \
@@ -49,7 +49,7 @@ USER specserve
 # Dequantize the default model and the committed default draft (models/draft, copied above) now
 # (about a minute), so a container serves within seconds.
 RUN specserve prepare --target default && specserve prepare --target /app/models/draft \
-    && python -m services.common.qmatmul
+    && python -m services.common.cpu_kernels
 
 # gRPC: gateway 50050, scheduler 50051, draft 50052, verifier 50053; the gateway's HTTP: 8000.
 EXPOSE 50050 50051 50052 50053 8000

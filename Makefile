@@ -27,8 +27,8 @@ protos: deps
 
 model: deps
 	$(BIN)/specserve prepare --target default
-	# the native matmul kernel for this CPU (services/common/qmatmul.cpp; about 20 s, once)
-	$(BIN)/python -m services.common.qmatmul
+	# the CPU kernels for this machine (services/common/cpu_kernels.py; about 20 s, once)
+	$(BIN)/python -m services.common.cpu_kernels
 
 # Rebuild the committed default draft (models/draft) from the default target: the target answers
 # generated prompts, a 2-layer draft is distilled on its distributions (about 45 min on 2 cores).

@@ -18,6 +18,7 @@ from services.common.gguf_blocks import BlockTensor
 from services.common.kv_cache import KVCache
 from services.common.matmul import Matmul, Weight
 from services.common.model_config import ModelConfig
+from services.common.qmatmul import BlockWeight
 from services.common.tree import ancestor_mask, forest_depths
 
 
@@ -114,6 +115,9 @@ class LlamaModel:
         # float32 results agree bitwise, so plain decoding and verification see the same logits.
         rounds = any(getattr(w.native, "rounds_activations", False) for w in self.linear_weights())
         self.attention_dtype = torch.float64 if rounds else dtype
+        # On the block kernel, the norms and RoPE also take the CPU kernels' one-call versions (a
+        # float32 model keeps torch's ops: its greedy output is compared with transformers').
+        self.rowwise = any(isinstance(w.native, BlockWeight) for w in self.linear_weights())
         positions = torch.arange(c.max_positions, dtype=torch.float32)
         freqs = positions[:, None] * c.inv_freq[None, :].float()  # [max_positions, head_dim / 2]
         emb = torch.cat([freqs, freqs], dim=-1)
@@ -155,11 +159,35 @@ class LlamaModel:
         c = self.config
         return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity, self.dtype, self.device)
 
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        eps = self.config.rms_norm_eps
+        if self.rowwise:
+            return torch.ops.specserve_q.rms_norm(x, weight, eps)
+        return F.rms_norm(x, (self.config.hidden_size,), weight, eps)
+
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x: [n, heads, head_dim]; cos, sin: [n, 1, head_dim]
         half = x.shape[-1] // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
+
+    def _rotated_qk(self, qkv: torch.Tensor, L: dict, cos: torch.Tensor, sin: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [N, heads, head_dim] and k [N, kv_heads, head_dim] of qkv [N, hq + 2 hk], RoPE applied
+        at the rows' positions (cos, sin [N, head_dim])."""
+        c, d = self.config, self.config.head_dim
+        hq, hk = c.num_heads * d, c.num_kv_heads * d
+        if L["q_norm"] is None and self.rowwise:  # q and k rotated in place, one call
+            torch.ops.specserve_q.rope_(qkv, cos, sin, c.num_heads + c.num_kv_heads, d)
+            return qkv[:, :hq].view(-1, c.num_heads, d), qkv[:, hq : hq + hk].view(-1, c.num_kv_heads, d)
+        cos, sin = cos[:, None], sin[:, None]
+        if L["q_norm"] is None:  # rotate q and k together: [N, heads + kv_heads, head_dim]
+            qk = self._rope(qkv[:, : hq + hk].view(-1, c.num_heads + c.num_kv_heads, d), cos, sin)
+            return qk[:, : c.num_heads], qk[:, c.num_heads :]
+        # Qwen3: per-head RMSNorm on q and k before RoPE
+        q = F.rms_norm(qkv[:, :hq].view(-1, c.num_heads, d), (d,), L["q_norm"], c.rms_norm_eps)
+        k = F.rms_norm(qkv[:, hq : hq + hk].view(-1, c.num_kv_heads, d), (d,), L["k_norm"], c.rms_norm_eps)
+        return self._rope(q, cos, sin), self._rope(k, cos, sin)
 
     def _attention(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    chunks: list[Chunk], plans: list[tuple], kernel_parents: torch.Tensor | None) -> torch.Tensor:
@@ -228,7 +256,7 @@ class LlamaModel:
 
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        cos, sin = self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)  # [N, 1, head_dim]
+        cos, sin = self.cos[pos], self.sin[pos]  # [N, head_dim]
         hq, hk, d = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.head_dim
         x = self.embedding(ids)  # [N, hidden]
         kernel_parents = None  # [N] local parents, when the CUDA kernel takes this batch
@@ -237,19 +265,13 @@ class LlamaModel:
                                           dtype=torch.int32, device=self.device)
         captured = []  # [N, hidden] per layer of `layers`, in layer order
         for li, L in enumerate(self.layers):
-            h = F.rms_norm(x, (c.hidden_size,), L["ln1"], c.rms_norm_eps)
+            h = self._norm(x, L["ln1"])
             qkv = self.matmul(h, L["wqkv"], L["bqkv"])  # [N, hq + 2 hk]
             v = qkv[:, hq + hk :].view(-1, c.num_kv_heads, d)
-            if L["q_norm"] is None:  # rotate q and k together: [N, heads + kv_heads, head_dim]
-                qk = self._rope(qkv[:, : hq + hk].view(-1, c.num_heads + c.num_kv_heads, d), cos, sin)
-                q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
-            else:  # Qwen3: per-head RMSNorm on q and k before RoPE
-                q = F.rms_norm(qkv[:, :hq].view(-1, c.num_heads, d), (d,), L["q_norm"], c.rms_norm_eps)
-                k = F.rms_norm(qkv[:, hq : hq + hk].view(-1, c.num_kv_heads, d), (d,), L["k_norm"], c.rms_norm_eps)
-                q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+            q, k = self._rotated_qk(qkv, L, cos, sin)
             attn = self._attention(li, q, k, v, chunks, plans, kernel_parents)  # [N, heads, head_dim]
             x = x + self.matmul(attn.reshape(-1, hq), L["wo"])
-            h = F.rms_norm(x, (c.hidden_size,), L["ln2"], c.rms_norm_eps)
+            h = self._norm(x, L["ln2"])
             gate, up = self.matmul(h, L["wgu"]).chunk(2, dim=-1)
             x = x + self.matmul(F.silu(gate) * up, L["wd"])
             if li in layers:
@@ -258,7 +280,7 @@ class LlamaModel:
             ch.cache.length = start + n
         if logit_rows:
             rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
-            h = F.rms_norm(x[rows], (c.hidden_size,), self.norm, c.rms_norm_eps)
+            h = self._norm(x[rows], self.norm)
             logits = self.matmul(h, self.lm_head).float()  # [rows, vocab]
         else:  # prompt chunks only (chunked prefill): the LM head has no row to compute
             logits = torch.empty(0, c.vocab_size, device=self.device)

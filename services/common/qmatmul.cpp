@@ -138,12 +138,20 @@ inline void tile(const float* x, int64_t ldx, const uint8_t* w, int64_t ldw, int
     for (int o = 0; o < NO; ++o) y[r * ldy + o] = vsum(acc[r][o][0], acc[r][o][1]);
 }
 
-// Outputs [o0, o1) of every row: rows in pairs (two outputs at a time), a last odd row four at a time.
+// Outputs [o0, o1) of every row: rows by fours or pairs (two outputs at a time: a decoded block
+// serves every row of the tile), a last odd row four outputs at a time.
 template <int64_t KIND>
 void outputs(const float* x, int64_t rows, const uint8_t* w, int64_t ldw, int64_t blocks, float* y,
              int64_t n, int64_t o0, int64_t o1) {
   const int64_t ldx = blocks * kBlock;
   int64_t r = 0;
+#if defined(__AVX512F__)  // 32 vector registers: 16 accumulators fit
+  for (; r + 4 <= rows; r += 4) {
+    int64_t o = o0;
+    for (; o + 2 <= o1; o += 2) tile<KIND, 4, 2>(x + r * ldx, ldx, w + o * ldw, ldw, blocks, y + r * n + o, n);
+    for (; o < o1; ++o) tile<KIND, 4, 1>(x + r * ldx, ldx, w + o * ldw, ldw, blocks, y + r * n + o, n);
+  }
+#endif
   for (; r + 2 <= rows; r += 2) {
     int64_t o = o0;
     for (; o + 2 <= o1; o += 2) tile<KIND, 2, 2>(x + r * ldx, ldx, w + o * ldw, ldw, blocks, y + r * n + o, n);
@@ -190,4 +198,6 @@ at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& raw, int64_t kind) {
 
 }  // namespace
 
-TORCH_LIBRARY(specserve_q, m) { m.def("qmatmul(Tensor x, Tensor raw, int kind) -> Tensor", &qmatmul); }
+TORCH_LIBRARY(specserve_q, m) {
+  m.def("qmatmul(Tensor x, Tensor raw, int kind) -> Tensor", &qmatmul);
+}

@@ -23,7 +23,7 @@ from gguf.quants import dequantize, quantize
 from services.common.gguf_blocks import BlockTensor, read_blocks
 from services.common.llama import Chunk
 from services.common.loading import default_gguf_path, load_model, load_weights
-from services.common import qmatmul, quant
+from services.common import cpu_kernels, qmatmul, quant
 from services.common.quant import int4_linear, pack
 from services.common.sampling import SamplingParams
 from services.draft.model_proposer import ModelProposer
@@ -35,7 +35,7 @@ from tests.unit import test_distribution as dist
 
 INT4_BOUND = 1.5
 BLOCK_KERNEL_BOUND = 1e-3
-needs_kernel = pytest.mark.skipif(not qmatmul.available(), reason="the block kernel does not build "
+needs_kernel = pytest.mark.skipif(not cpu_kernels.available(), reason="the CPU kernels do not build "
                                   "here (no g++, or a CPU without AVX2/FMA/F16C); the log says which")
 
 
@@ -84,16 +84,38 @@ def test_the_block_kernel_names_what_is_wrong_with_its_inputs():
         torch.ops.specserve_q.qmatmul(torch.zeros(1, 64), block.raw, 7)
 
 
+@needs_kernel
+def test_the_rowwise_kernels_match_torchs_norm_and_rope():
+    """rowwise.cpp's RMSNorm and in-place RoPE (native models' layers) against torch's ops, row
+    by row the same whatever the rows beside it."""
+    torch.manual_seed(0)
+    x, w = torch.randn(7, 576) * 3, torch.randn(576)
+    y = torch.ops.specserve_q.rms_norm(x, w, 1e-5)
+    assert torch.allclose(y, torch.nn.functional.rms_norm(x, (576,), w, 1e-5), rtol=1e-5, atol=1e-5)
+    assert torch.equal(torch.ops.specserve_q.rms_norm(x[2:3], w, 1e-5), y[2:3])
+    qkv, pos = torch.randn(5, 4 * 64 + 16), torch.arange(5, dtype=torch.float32)
+    freqs = pos[:, None] * (1e4 ** (-torch.arange(32) / 32))[None]
+    cos, sin = torch.cat([freqs, freqs], 1).cos(), torch.cat([freqs, freqs], 1).sin()  # [5, 64]
+    half = qkv[:, :192].view(5, 3, 64)
+    ref = half * cos[:, None] + torch.cat([-half[..., 32:], half[..., :32]], -1) * sin[:, None]
+    rotated = qkv.clone()
+    torch.ops.specserve_q.rope_(rotated, cos, sin, 3, 64)
+    assert torch.allclose(rotated[:, :192].view(5, 3, 64), ref, rtol=1e-5, atol=1e-6)
+    assert torch.equal(rotated[:, 192:], qkv[:, 192:])  # heads past the count stay as they were
+    with pytest.raises(RuntimeError, match="weight must be float32 \\[hidden\\]"):
+        torch.ops.specserve_q.rms_norm(x, w[:10], 1e-5)
+
+
 def test_without_a_compiler_quantized_weights_take_the_int4_route(tmp_path):
     """A machine that cannot build the kernel still serves natively, through torch's int4 op."""
-    script = ("import torch; from services.common import gguf_blocks, qmatmul, quant\n"
+    script = ("import torch; from services.common import cpu_kernels, gguf_blocks, quant\n"
               "block = gguf_blocks.BlockTensor('Q4_1', torch.zeros(16, 2 * 20, dtype=torch.uint8))\n"
-              "print(qmatmul.available(), type(quant.native_weight(block)).__name__)")
+              "print(cpu_kernels.available(), type(quant.native_weight(block)).__name__)")
     env = {**os.environ, "CXX": "false", "SPECSERVE_HOME": str(tmp_path)}
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
                          cwd=Path(__file__).resolve().parents[2])
     assert run.stdout.split() == ["False", "Int4Weight"], run.stderr
-    assert "native matmul kernel unavailable" in run.stderr
+    assert "CPU kernels unavailable" in run.stderr
 
 
 def test_the_default_models_blocks_are_its_dequantized_weights(default_native):
