@@ -3,8 +3,9 @@ next start on the same machine reuses it (and goes on refining it online) instea
 again.
 
 Keyed by what decides the costs it measured: the model pair, the verifier's matmul route step,
-the sizes measured (the deepest draft and the tree width), the machine (CPU model, cores, this
-process's torch threads) and the code (a digest of the sources under services/). With remote
+the native matmul route asked for, the sizes measured (the deepest draft and the tree width), the
+machine (CPU model, cores, this process's torch threads) and the code (a digest of the sources
+under services/). With remote
 workers the machine is this scheduler's: the key assumes the workers run on the same kind of
 machine (as `make run` starts them).
 """
@@ -20,6 +21,7 @@ from pathlib import Path
 
 from services.common.loading import specserve_home
 from services.common.machine import cpu_model
+from services.common.quant import ROUTE_ENV
 
 log = logging.getLogger(__name__)
 
@@ -28,9 +30,10 @@ SOURCES = Path(__file__).resolve().parents[1]  # services/
 
 @lru_cache(maxsize=1)
 def code_version() -> str:
-    """A digest of every Python source of the services: any change measures afresh."""
+    """A digest of every source of the services (Python and the CPU kernels' C++): any change
+    measures afresh."""
     digest = hashlib.sha256()
-    for path in sorted(SOURCES.rglob("*.py")):
+    for path in sorted([*SOURCES.rglob("*.py"), *SOURCES.rglob("*.cpp")]):
         digest.update(str(path.relative_to(SOURCES)).encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
@@ -40,7 +43,8 @@ def cache_key(pair: str, route_rows: int, max_k: int, width: int) -> dict:
     import torch  # only for its thread count (this module is used by the scheduler, not the policy)
 
     return {"pair": pair, "route_rows": route_rows, "max_k": max_k, "width": width, "cpu": cpu_model(),
-            "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "code": code_version()}
+            "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "code": code_version(),
+            "native_matmul": os.environ.get(ROUTE_ENV, "auto")}
 
 
 def _path(key: dict) -> Path:

@@ -95,11 +95,13 @@ def test_a_second_start_reuses_the_cached_calibration(monkeypatch, tmp_path):
     assert not third.cached and calls > 17
 
 
-def test_the_cache_key_names_the_machine_and_the_code():
+def test_the_cache_key_names_the_machine_and_the_code(monkeypatch):
     key = calibration_cache.cache_key("t|ngram", 3, 16, 1)
     assert key["cpu"] == calibration_cache.cpu_model() and key["cores"] >= 1 and key["torch_threads"] >= 1
     assert len(key["code"]) == 16 and key["route_rows"] == 3
     assert calibration_cache.load({**key, "code": "another"}) is None
+    monkeypatch.setenv("SPECSERVE_NATIVE_MATMUL", "int4")  # another matmul, other costs
+    assert calibration_cache.cache_key("t|ngram", 3, 16, 1) != key
 
 
 class SharedVerifier(DriftingVerifier):
