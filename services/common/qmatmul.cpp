@@ -151,6 +151,12 @@ void outputs(const float* x, int64_t rows, const uint8_t* w, int64_t ldw, int64_
     for (; o + 2 <= o1; o += 2) tile<KIND, 4, 2>(x + r * ldx, ldx, w + o * ldw, ldw, blocks, y + r * n + o, n);
     for (; o < o1; ++o) tile<KIND, 4, 1>(x + r * ldx, ldx, w + o * ldw, ldw, blocks, y + r * n + o, n);
   }
+  if (rows - r == 3) {  // one pass over the weights, not a pair and then a single row
+    int64_t o = o0;
+    for (; o + 2 <= o1; o += 2) tile<KIND, 3, 2>(x + r * ldx, ldx, w + o * ldw, ldw, blocks, y + r * n + o, n);
+    for (; o < o1; ++o) tile<KIND, 3, 1>(x + r * ldx, ldx, w + o * ldw, ldw, blocks, y + r * n + o, n);
+    r += 3;
+  }
 #endif
   for (; r + 2 <= rows; r += 2) {
     int64_t o = o0;
