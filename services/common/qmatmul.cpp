@@ -1,12 +1,13 @@
-// x @ w.T on a GGUF file's own blocks (Q4_0, Q4_1, Q8_0), float32 activations, AVX2 + FMA.
+// x @ w.T on a GGUF file's own blocks (Q4_0, Q4_1, Q8_0), float32 activations; AVX-512 where the
+// build machine has it, else AVX2 + FMA + F16C.
 //
 // Each block of 32 weights is decoded to exactly the float32 values the dequantized model holds
 // (q * d + m in one FMA: the product is exact), then multiplied into float32 accumulators. Every
 // (row, output) pair runs the same instruction sequence whatever the row count and the tile it
-// falls in: two accumulators (block quarters 0, 2 and 1, 3), summed in a fixed order at the end.
-// So a row's outputs do not depend on the other rows of the call (plain decoding and a verify
-// tree agree bitwise). Tiles of several outputs (one row) or rows x outputs only give the core
-// independent dependency chains, and decode each block once for the rows of a tile.
+// falls in: two accumulators (a block's vectors alternate between them), summed in a fixed order
+// at the end. So a row's outputs do not depend on the other rows of the call (plain decoding and
+// a verify tree agree bitwise). Tiles of several outputs (one row) or rows x outputs only give
+// the core independent dependency chains, and decode each block once for the rows of a tile.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <ATen/core/Tensor.h>
@@ -122,8 +123,8 @@ inline void tile(const float* x, int64_t ldx, const uint8_t* w, int64_t ldw, int
     for (int o = 0; o < NO; ++o) acc[r][o][0] = acc[r][o][1] = vzero();
   for (int64_t b = 0; b < blocks; ++b) {
     for (int o = 0; o < NO; ++o) {  // one block's vectors live at a time
-      // The next tile's weights, a tile ahead: several rows' blocks read side by side defeat
-      // the hardware prefetcher (a third of the memory bandwidth without this).
+      // Weights four tiles ahead (a hint: past the end it is dropped, not a fault): several
+      // rows' blocks read side by side defeat the hardware prefetcher.
       _mm_prefetch(reinterpret_cast<const char*>(w + (o + 4 * NO) * ldw + b * bb), _MM_HINT_T0);
       Vec wv[kVecs];
       decode<KIND>(w + o * ldw + b * bb, wv);
@@ -138,36 +139,32 @@ inline void tile(const float* x, int64_t ldx, const uint8_t* w, int64_t ldw, int
     for (int o = 0; o < NO; ++o) y[r * ldy + o] = vsum(acc[r][o][0], acc[r][o][1]);
 }
 
-// Outputs [o0, o1) of every row: rows by fours or pairs (two outputs at a time: a decoded block
-// serves every row of the tile), a last odd row four outputs at a time.
+// Outputs [o0, o1) of NR rows: two outputs per tile (four for a single row), then one by one.
+template <int64_t KIND, int NR>
+void row_tile(const float* x, int64_t ldx, const uint8_t* w, int64_t ldw, int64_t blocks, float* y,
+              int64_t n, int64_t o0, int64_t o1) {
+  constexpr int NO = NR == 1 ? 4 : 2;
+  int64_t o = o0;
+  for (; o + NO <= o1; o += NO) tile<KIND, NR, NO>(x, ldx, w + o * ldw, ldw, blocks, y + o, n);
+  for (; o < o1; ++o) tile<KIND, NR, 1>(x, ldx, w + o * ldw, ldw, blocks, y + o, n);
+}
+
+// Outputs [o0, o1) of every row: rows by fours (AVX-512's 32 registers hold 16 accumulators), a
+// last three together, else pairs, then single rows; a decoded block serves every row of a tile.
 template <int64_t KIND>
 void outputs(const float* x, int64_t rows, const uint8_t* w, int64_t ldw, int64_t blocks, float* y,
              int64_t n, int64_t o0, int64_t o1) {
   const int64_t ldx = blocks * kBlock;
   int64_t r = 0;
-#if defined(__AVX512F__)  // 32 vector registers: 16 accumulators fit
-  for (; r + 4 <= rows; r += 4) {
-    int64_t o = o0;
-    for (; o + 2 <= o1; o += 2) tile<KIND, 4, 2>(x + r * ldx, ldx, w + o * ldw, ldw, blocks, y + r * n + o, n);
-    for (; o < o1; ++o) tile<KIND, 4, 1>(x + r * ldx, ldx, w + o * ldw, ldw, blocks, y + r * n + o, n);
-  }
-  if (rows - r == 3) {  // one pass over the weights, not a pair and then a single row
-    int64_t o = o0;
-    for (; o + 2 <= o1; o += 2) tile<KIND, 3, 2>(x + r * ldx, ldx, w + o * ldw, ldw, blocks, y + r * n + o, n);
-    for (; o < o1; ++o) tile<KIND, 3, 1>(x + r * ldx, ldx, w + o * ldw, ldw, blocks, y + r * n + o, n);
+#if defined(__AVX512F__)
+  for (; r + 4 <= rows; r += 4) row_tile<KIND, 4>(x + r * ldx, ldx, w, ldw, blocks, y + r * n, n, o0, o1);
+  if (rows - r == 3) {
+    row_tile<KIND, 3>(x + r * ldx, ldx, w, ldw, blocks, y + r * n, n, o0, o1);
     r += 3;
   }
 #endif
-  for (; r + 2 <= rows; r += 2) {
-    int64_t o = o0;
-    for (; o + 2 <= o1; o += 2) tile<KIND, 2, 2>(x + r * ldx, ldx, w + o * ldw, ldw, blocks, y + r * n + o, n);
-    for (; o < o1; ++o) tile<KIND, 2, 1>(x + r * ldx, ldx, w + o * ldw, ldw, blocks, y + r * n + o, n);
-  }
-  for (; r < rows; ++r) {
-    int64_t o = o0;
-    for (; o + 4 <= o1; o += 4) tile<KIND, 1, 4>(x + r * ldx, ldx, w + o * ldw, ldw, blocks, y + r * n + o, n);
-    for (; o < o1; ++o) tile<KIND, 1, 1>(x + r * ldx, ldx, w + o * ldw, ldw, blocks, y + r * n + o, n);
-  }
+  for (; r + 2 <= rows; r += 2) row_tile<KIND, 2>(x + r * ldx, ldx, w, ldw, blocks, y + r * n, n, o0, o1);
+  for (; r < rows; ++r) row_tile<KIND, 1>(x + r * ldx, ldx, w, ldw, blocks, y + r * n, n, o0, o1);
 }
 
 // Rows of x in slabs that stay in cache while a thread walks its outputs.

@@ -72,7 +72,8 @@ def test_the_block_kernel_multiplies_by_the_dequantized_weights_in_float32(kind)
     assert float((y - ref).abs().max() / ref.abs().max()) < 1e-6
     # a row's output does not depend on the other rows of the call (verify == plain decoding)
     assert all(torch.equal(native.linear(x[i : i + 1]), y[i : i + 1]) for i in (0, 17, 36))
-    assert torch.equal(native.linear(x[3:11]), y[3:11]) and torch.equal(native.linear(x[4:7]), y[4:7])
+    for part in (slice(3, 11), slice(4, 7), slice(0, 7)):  # 8, 3 and 7 rows: other tilings
+        assert torch.equal(native.linear(x[part]), y[part])
 
 
 @needs_kernel
