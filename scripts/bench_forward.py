@@ -1,9 +1,11 @@
 """Benchmark: the verify cost curve, one target forward of n rows after a cached prompt.
 
-For the default target (or --target) as served (native GGUF weights on the block kernel, float32
-attention), on torch's int4 route (the fallback: bfloat16 activations, float64 attention) and on
+For the default target (or --target) as served (native GGUF weights on the block kernel; for
+chunks of up to 8 rows the whole decoder stack in one call, layers.cpp, with attention.cpp), the
+same model op by op from Python, op by op with torch's attention kernel (before both), on torch's
+int4 route (the fallback: bfloat16 activations, float64 attention) and on
 float32 weights, the time of one forward of a chain of n new rows after a `--context`-token
-prefix, the cache rolled back after each. The three models run interleaved per repeat; medians
+prefix, the cache rolled back after each. The models run interleaved per repeat; medians
 over repeats. This is what the latency model learns at load, and what decides how many rows
 speculation can afford.
 
@@ -48,6 +50,10 @@ def main() -> None:
     args = ap.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
     models = {"native": load_model(args.target, weight_format="native").model}
+    models["native_ops"] = load_model(args.target, weight_format="native").model
+    models["native_ops"].stack = None  # the layers op by op from Python, as before layers.cpp
+    models["native_sdpa"] = load_model(args.target, weight_format="native").model
+    models["native_sdpa"].stack, models["native_sdpa"].attend_cpu = None, False  # and torch's attention
     os.environ[ROUTE_ENV] = "int4"
     models["int4"] = load_model(args.target, weight_format="native").model
     del os.environ[ROUTE_ENV]
@@ -67,11 +73,13 @@ def main() -> None:
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"One forward of n rows after {args.context} cached tokens, {args.target}, median of {args.repeats} "
           f"interleaved repeats. {stamp(meta(sys.argv))}.\n")
-    print("| rows | native ms | int4 route ms | float32 ms | native / int4 | native / float32 |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    names = ("native", "native_ops", "native_sdpa", "int4", "float32")
+    print("| rows | native ms | op by op ms | op by op, torch attention ms | int4 route ms | float32 ms "
+          "| native / op by op, torch attention | native / float32 |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        n, i, f = med[("native", r)], med[("int4", r)], med[("float32", r)]
-        print(f"| {r} | {n:.1f} | {i:.1f} | {f:.1f} | {n / i:.2f} | {n / f:.2f} |")
+        n, o, s, i, f = (med[(name, r)] for name in names)
+        print(f"| {r} | {n:.1f} | {o:.1f} | {s:.1f} | {i:.1f} | {f:.1f} | {n / s:.2f} | {n / f:.2f} |")
 
 
 if __name__ == "__main__":

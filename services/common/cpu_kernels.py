@@ -1,4 +1,4 @@
-"""The project's CPU kernels (`qmatmul.cpp`, `rowwise.cpp`): built for this machine, then loaded.
+"""The project's CPU kernels (`qmatmul.cpp`, `rowwise.cpp`, `attention.cpp`): built for this machine, then loaded.
 
 The sources compile once per machine into one library (g++ -march=native: the matmul needs AVX2,
 FMA and F16C; OpenMP through torch's own runtime, so its threads are torch's) against the
@@ -20,23 +20,16 @@ from pathlib import Path
 import torch
 from torch.utils import cpp_extension
 
+from services.common.machine import cpu_flags
+
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / "qmatmul.cpp", HERE / "rowwise.cpp"]  # ops under torch.ops.specserve_q
+SOURCES = [HERE / "qmatmul.cpp", HERE / "rowwise.cpp", HERE / "attention.cpp", HERE / "layers.cpp"]  # ops under torch.ops.specserve_q
+HEADERS = [HERE / "simd.h", HERE / "cpu_ops.h"]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC"]
 
 _LOADED: bool | None = None
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return ""
 
 
 def library_path() -> Path:
@@ -44,7 +37,7 @@ def library_path() -> Path:
     from services.common.loading import specserve_home
 
     key = hashlib.sha256()
-    for part in [s.read_bytes() for s in SOURCES] + [torch.__version__.encode(), _cpu_flags().encode(),
+    for part in [s.read_bytes() for s in SOURCES + HEADERS] + [torch.__version__.encode(), cpu_flags().encode(),
                                                      " ".join(FLAGS).encode()]:
         key.update(part)
     return specserve_home() / "build" / f"cpu_kernels-{key.hexdigest()[:16]}.so"

@@ -3,12 +3,15 @@
 Runs on weights loaded by `services.common.loading`, with transformers as the numeric reference.
 One call processes a packed batch of sequence chunks: the linear layers see every new token of
 every sequence at once (one read of the weights per step), attention runs per sequence over its
-own preallocated KV cache with a tree mask built once per step.
+own preallocated KV cache with a tree mask built once per step. On native (GGUF block) weights a
+forward of few rows per sequence (decoding, verifying drafts) runs the whole decoder stack in one
+call to the CPU kernels (`layers.cpp`), the same ops this module runs one by one otherwise.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +21,7 @@ from services.common.gguf_blocks import BlockTensor
 from services.common.kv_cache import KVCache
 from services.common.matmul import Matmul, Weight
 from services.common.model_config import ModelConfig
-from services.common.qmatmul import BlockWeight
+from services.common.qmatmul import KINDS, BlockWeight
 from services.common.tree import ancestor_mask, forest_depths
 
 
@@ -41,6 +44,23 @@ class Chunk:
     parents: list[int]
     logits_from: int
     tree_start: int | None = None
+
+
+class Plan(NamedTuple):
+    """Where one chunk's rows sit in a forward, and how they attend."""
+
+    offset: int  # its first row in the packed batch
+    n: int  # its new tokens
+    start: int  # its cache length before this forward
+    tree_start: int
+    mask: torch.Tensor | None  # torch's attention: [group * n, start + n] bool, None = all
+    visible: torch.Tensor | None  # attention.cpp's [n, m] (NO_MASK: causal); None = torch's
+
+
+# A chunk of at most this many rows attends in attention.cpp (on a native model); a longer one,
+# a prompt, in torch's kernel, whose matrix products serve many rows better.
+ATTEND_MAX_ROWS = 8
+NO_MASK = torch.empty(0, dtype=torch.bool)
 
 
 def pick_tree_attention(device: torch.device, dtype: torch.dtype, head_dim: int):
@@ -115,14 +135,35 @@ class LlamaModel:
         # float32 results agree bitwise, so plain decoding and verification see the same logits.
         rounds = any(getattr(w.native, "rounds_activations", False) for w in self.linear_weights())
         self.attention_dtype = torch.float64 if rounds else dtype
-        # On the block kernel, the norms and RoPE also take the CPU kernels' one-call versions (a
-        # float32 model keeps torch's ops: its greedy output is compared with transformers').
+        # On the block kernel, the norms, RoPE, silu * up and the attention of few rows also take
+        # the CPU kernels' one-call versions, and a forward of few rows runs the whole stack in
+        # one call (layers.cpp); a float32 model keeps torch's ops: its greedy output is compared
+        # with transformers'.
         self.rowwise = any(isinstance(w.native, BlockWeight) for w in self.linear_weights())
+        self.attend_cpu = self.rowwise and dtype == torch.float32 and c.head_dim % 32 == 0
+        self.silu_mul = self.rowwise and c.intermediate_size % 16 == 0
+        self.stack = self._native_stack()
         positions = torch.arange(c.max_positions, dtype=torch.float32)
         freqs = positions[:, None] * c.inv_freq[None, :].float()  # [max_positions, head_dim / 2]
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos = (emb.cos() * c.rope_scaling).to(device=device, dtype=dtype)  # [max_pos, head_dim]
         self.sin = (emb.sin() * c.rope_scaling).to(device=device, dtype=dtype)
+
+    def _native_stack(self) -> tuple | None:
+        """layers.cpp's arguments for this model's layers (norms, blocks, kinds) when every layer
+        runs on the CPU kernels alone (block weights, no biases, no q/k norms); else None."""
+        if not (self.attend_cpu and self.silu_mul):
+            return None
+        norms, blocks, kinds = [], [], []
+        for L in self.layers:
+            weights = [L[k].native for k in ("wqkv", "wo", "wgu", "wd")]
+            if L["bqkv"] is not None or L["q_norm"] is not None or \
+                    not all(isinstance(w, BlockWeight) for w in weights):
+                return None
+            norms += [L["ln1"], L["ln2"]]
+            blocks += [w.block.raw for w in weights]
+            kinds += [KINDS[w.block.kind] for w in weights]
+        return norms, blocks, kinds
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
         """[len(ids), hidden] rows of the token embedding."""
@@ -165,6 +206,13 @@ class LlamaModel:
             return torch.ops.specserve_q.rms_norm(x, weight, eps)
         return F.rms_norm(x, (self.config.hidden_size,), weight, eps)
 
+    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[N, 2 intermediate] -> silu(gate) * up [N, intermediate]."""
+        if self.silu_mul:
+            return torch.ops.specserve_q.silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x: [n, heads, head_dim]; cos, sin: [n, 1, head_dim]
         half = x.shape[-1] // 2
@@ -190,21 +238,32 @@ class LlamaModel:
         return self._rope(q, cos, sin), self._rope(k, cos, sin)
 
     def _attention(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   chunks: list[Chunk], plans: list[tuple], kernel_parents: torch.Tensor | None) -> torch.Tensor:
+                   chunks: list[Chunk], plans: list[Plan], kernel_parents: torch.Tensor | None
+                   ) -> torch.Tensor:
         """Write this layer's new k, v [N, kv_heads, head_dim] into each cache, then attend:
         q [N, heads, head_dim] -> [N, heads, head_dim]."""
         c = self.config
         group, d = c.num_heads // c.num_kv_heads, c.head_dim
-        for ch, (off, n, start, _, _) in zip(chunks, plans):
-            ch.cache.k[li][:, start : start + n] = k[off : off + n].transpose(0, 1)
-            ch.cache.v[li][:, start : start + n] = v[off : off + n].transpose(0, 1)
         if kernel_parents is not None:  # one CUDA launch for every request of the batch
+            for ch, (off, n, start, *_) in zip(chunks, plans):
+                ch.cache.k[li][:, start : start + n] = k[off : off + n].transpose(0, 1)
+                ch.cache.v[li][:, start : start + n] = v[off : off + n].transpose(0, 1)
             return self.tree_attention(
                 q, [ch.cache.k[li] for ch in chunks], [ch.cache.v[li] for ch in chunks],
-                [p[2] for p in plans], [p[1] for p in plans], kernel_parents, check_parents=(li == 0))
-        attn = torch.empty_like(q) if len(chunks) > 1 else None
-        for ch, (off, n, start, mask, _) in zip(chunks, plans):
+                [p.start for p in plans], [p.n for p in plans], kernel_parents, check_parents=(li == 0))
+        attn = torch.empty_like(q)
+        few = [(ch, p) for ch, p in zip(chunks, plans) if p.visible is not None]
+        if few:  # attention.cpp: the cache writes and every (row, head) of these chunks, one call
+            torch.ops.specserve_q.attend_(
+                attn, q, k, v, [ch.cache.k[li] for ch, _ in few], [ch.cache.v[li] for ch, _ in few],
+                [p.offset for _, p in few], [p.n for _, p in few], [p.start for _, p in few],
+                [p.tree_start for _, p in few], [p.visible for _, p in few], d ** -0.5)
+        for ch, (off, n, start, _, mask, visible) in zip(chunks, plans):
+            if visible is not None:
+                continue
             kc, vc = ch.cache.k[li], ch.cache.v[li]  # [kv_heads, capacity, head_dim]
+            kc[:, start : start + n] = k[off : off + n].transpose(0, 1)
+            vc[:, start : start + n] = v[off : off + n].transpose(0, 1)
             # Query heads of one KV group share its keys: [kv_heads, group * n, head_dim]
             qs = q[off : off + n].view(n, c.num_kv_heads, group, d).permute(1, 2, 0, 3)
             qs = qs.reshape(c.num_kv_heads, group * n, d)
@@ -213,10 +272,31 @@ class LlamaModel:
             o = F.scaled_dot_product_attention(qs[None].to(at), kc[None, :, : start + n].to(at),
                                                vc[None, :, : start + n].to(at), attn_mask=mask)[0].to(q.dtype)
             o = o.view(c.num_kv_heads, group, n, d).permute(2, 0, 1, 3)  # [n, kv_heads, group, head_dim]
-            if attn is None:  # one sequence: no packed output to fill
+            if len(chunks) == 1:  # one sequence: no packed output to fill
                 return o.reshape(n, c.num_heads, d)
             attn[off : off + n] = o.reshape(n, c.num_heads, d)
         return attn
+
+    def _layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, chunks: list[Chunk],
+                plans: list[Plan], kernel_parents: torch.Tensor | None, layers: tuple[int, ...]
+                ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The decoder layers op by op: x [N, hidden] -> the last layer's output and those of
+        `layers`."""
+        c = self.config
+        hq, hk, d = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.head_dim
+        captured = []  # [N, hidden] per layer of `layers`, in layer order
+        for li, L in enumerate(self.layers):
+            h = self._norm(x, L["ln1"])
+            qkv = self.matmul(h, L["wqkv"], L["bqkv"])  # [N, hq + 2 hk]
+            v = qkv[:, hq + hk :].view(-1, c.num_kv_heads, d)
+            q, k = self._rotated_qk(qkv, L, cos, sin)
+            attn = self._attention(li, q, k, v, chunks, plans, kernel_parents)  # [N, heads, head_dim]
+            x = x + self.matmul(attn.reshape(-1, hq), L["wo"])
+            h = self._norm(x, L["ln2"])
+            x = x + self.matmul(self._silu_mul(self.matmul(h, L["wgu"])), L["wd"])
+            if li in layers:
+                captured.append(x)
+        return x, captured
 
     def forward(self, chunks: list[Chunk]) -> list[torch.Tensor]:
         """Run the new tokens of every chunk; returns per chunk logits [rows, vocab] (float32)."""
@@ -244,40 +324,37 @@ class LlamaModel:
             ch.cache.reserve(start + n)
             tokens.extend(ch.tokens)
             positions.extend(tree_start + d for d in depths)
-            mask = None
-            if m > 1:  # [group * n, start + n] bool; rows ordered (head in group, token)
+            mask = visible = None
+            if self.attend_cpu and n <= ATTEND_MAX_ROWS:  # [n, m] tree slots each row sees
+                causal = tree_start == start and all(p == i - 1 for i, p in enumerate(ch.parents))
+                visible = NO_MASK if causal else ancestor_mask(ch.parents)[m - n :].contiguous()
+            elif m > 1:  # [group * n, start + n] bool; rows ordered (head in group, token)
                 tree = ancestor_mask(ch.parents)[m - n :].to(self.device)  # [n, m]
                 if n > 1 or not bool(tree.all()):
                     prefix = torch.ones(n, tree_start, dtype=torch.bool, device=self.device)
                     mask = torch.cat([prefix, tree], 1).repeat(group, 1)
-            plans.append((offset, n, start, mask, tree_start == start and n <= 256))
+            plans.append(Plan(offset, n, start, tree_start, mask, visible))
             logit_rows.extend(range(offset + ch.logits_from, offset + n))
             offset += n
 
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         cos, sin = self.cos[pos], self.sin[pos]  # [N, head_dim]
-        hq, hk, d = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.head_dim
         x = self.embedding(ids)  # [N, hidden]
         kernel_parents = None  # [N] local parents, when the CUDA kernel takes this batch
-        if self.tree_attention is not None and all(p[4] for p in plans):
+        if self.tree_attention is not None and all(p.tree_start == p.start and p.n <= 256
+                                                   for p in plans):
             kernel_parents = torch.tensor([p for ch in chunks for p in ch.parents],
                                           dtype=torch.int32, device=self.device)
-        captured = []  # [N, hidden] per layer of `layers`, in layer order
-        for li, L in enumerate(self.layers):
-            h = self._norm(x, L["ln1"])
-            qkv = self.matmul(h, L["wqkv"], L["bqkv"])  # [N, hq + 2 hk]
-            v = qkv[:, hq + hk :].view(-1, c.num_kv_heads, d)
-            q, k = self._rotated_qk(qkv, L, cos, sin)
-            attn = self._attention(li, q, k, v, chunks, plans, kernel_parents)  # [N, heads, head_dim]
-            x = x + self.matmul(attn.reshape(-1, hq), L["wo"])
-            h = self._norm(x, L["ln2"])
-            gate, up = self.matmul(h, L["wgu"]).chunk(2, dim=-1)
-            x = x + self.matmul(F.silu(gate) * up, L["wd"])
-            if li in layers:
-                captured.append(x)
-        for ch, (_, n, start, _, _) in zip(chunks, plans):
-            ch.cache.length = start + n
+        if self.stack is not None and all(p.visible is not None for p in plans):
+            x, *captured = torch.ops.specserve_q.layers(
+                x, cos, sin, *self.stack, [ch.cache.k for ch in chunks], [ch.cache.v for ch in chunks],
+                *zip(*[(p.offset, p.n, p.start, p.tree_start, p.visible) for p in plans]),
+                c.num_heads, c.num_kv_heads, c.rms_norm_eps, sorted(set(layers)))
+        else:
+            x, captured = self._layers(x, cos, sin, chunks, plans, kernel_parents, layers)
+        for ch, plan in zip(chunks, plans):
+            ch.cache.length = plan.start + plan.n
         if logit_rows:
             rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
             h = self._norm(x[rows], self.norm)

@@ -17,21 +17,25 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cpu_ops.h"
+#include "simd.h"
+
 namespace {
+
+using specserve::Vec;
+using specserve::vfma;
+using specserve::vload;
+using specserve::vsum;
+using specserve::vzero;
 
 constexpr int kBlock = 32;
 enum Kind : int64_t { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2 };
 
 inline int block_bytes(int64_t kind) { return kind == kQ4_1 ? 20 : kind == kQ4_0 ? 18 : 34; }
 
-// One block's 32 weights as kVecs float vectors, and the per-row sum over them, per instruction set.
+// One block's 32 weights decoded into kVecs of simd.h's vectors, per instruction set.
 #if defined(__AVX512F__)
-using Vec = __m512;
 constexpr int kVecs = 2;
-inline Vec vzero() { return _mm512_setzero_ps(); }
-inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
-inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline float vsum(Vec a, Vec b) { return _mm512_reduce_add_ps(_mm512_add_ps(a, b)); }
 
 template <int64_t KIND>
 inline void decode(const uint8_t* blk, Vec w[kVecs]) {
@@ -58,18 +62,7 @@ inline void decode(const uint8_t* blk, Vec w[kVecs]) {
   w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);  // high: 16..31
 }
 #else
-using Vec = __m256;
 constexpr int kVecs = 4;
-inline Vec vzero() { return _mm256_setzero_ps(); }
-inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
-inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline float vsum(Vec a, Vec b) {
-  const __m256 s = _mm256_add_ps(a, b);
-  __m128 v = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-  v = _mm_add_ps(v, _mm_movehl_ps(v, v));
-  v = _mm_add_ss(v, _mm_movehdup_ps(v));
-  return _mm_cvtss_f32(v);
-}
 
 inline float half_at(const uint8_t* p) {
   return _cvtsh_ss(static_cast<unsigned short>(p[0] | (p[1] << 8)));
@@ -139,38 +132,53 @@ inline void tile(const float* x, int64_t ldx, const uint8_t* w, int64_t ldw, int
     for (int o = 0; o < NO; ++o) y[r * ldy + o] = vsum(acc[r][o][0], acc[r][o][1]);
 }
 
-// Outputs [o0, o1) of NR rows: two outputs per tile (four for a single row), then one by one.
+// Outputs per tile for NR rows: enough independent sums to keep the core busy, few enough that
+// the accumulators (2 per row and output) and the decoded blocks fit AVX-512's 32 registers.
+constexpr int outputs_per_tile(int nr) { return nr == 1 ? 4 : nr <= 4 ? 2 : 1; }
+
+// Outputs [o0, o1) of NR rows: outputs_per_tile(NR) per tile, then one by one.
 template <int64_t KIND, int NR>
 void row_tile(const float* x, int64_t ldx, const uint8_t* w, int64_t ldw, int64_t blocks, float* y,
               int64_t n, int64_t o0, int64_t o1) {
-  constexpr int NO = NR == 1 ? 4 : 2;
+  constexpr int NO = outputs_per_tile(NR);
   int64_t o = o0;
   for (; o + NO <= o1; o += NO) tile<KIND, NR, NO>(x, ldx, w + o * ldw, ldw, blocks, y + o, n);
   for (; o < o1; ++o) tile<KIND, NR, 1>(x, ldx, w + o * ldw, ldw, blocks, y + o, n);
 }
 
-// Outputs [o0, o1) of every row: rows by fours (AVX-512's 32 registers hold 16 accumulators), a
-// last three together, else pairs, then single rows; a decoded block serves every row of a tile.
+// Outputs [o0, o1) of every row: rows by kMaxRows (each decoded block serves every row of its
+// tile), the rest in one tile of as many rows: a 5-row verify reads the weights once, not twice.
+#if defined(__AVX512F__)
+constexpr int kMaxRows = 8;
+#else
+constexpr int kMaxRows = 2;
+#endif
+
+template <int64_t KIND, int NR = kMaxRows>
+void rest(const float* x, int64_t ldx, int64_t rows, const uint8_t* w, int64_t ldw, int64_t blocks,
+          float* y, int64_t n, int64_t o0, int64_t o1) {
+  if constexpr (NR > 1) {
+    if (rows < NR) return rest<KIND, NR - 1>(x, ldx, rows, w, ldw, blocks, y, n, o0, o1);
+  }
+  row_tile<KIND, NR>(x, ldx, w, ldw, blocks, y, n, o0, o1);
+}
+
 template <int64_t KIND>
 void outputs(const float* x, int64_t rows, const uint8_t* w, int64_t ldw, int64_t blocks, float* y,
              int64_t n, int64_t o0, int64_t o1) {
   const int64_t ldx = blocks * kBlock;
   int64_t r = 0;
-#if defined(__AVX512F__)
-  for (; r + 4 <= rows; r += 4) row_tile<KIND, 4>(x + r * ldx, ldx, w, ldw, blocks, y + r * n, n, o0, o1);
-  if (rows - r == 3) {
-    row_tile<KIND, 3>(x + r * ldx, ldx, w, ldw, blocks, y + r * n, n, o0, o1);
-    r += 3;
-  }
-#endif
-  for (; r + 2 <= rows; r += 2) row_tile<KIND, 2>(x + r * ldx, ldx, w, ldw, blocks, y + r * n, n, o0, o1);
-  for (; r < rows; ++r) row_tile<KIND, 1>(x + r * ldx, ldx, w, ldw, blocks, y + r * n, n, o0, o1);
+  for (; r + kMaxRows <= rows; r += kMaxRows)
+    row_tile<KIND, kMaxRows>(x + r * ldx, ldx, w, ldw, blocks, y + r * n, n, o0, o1);
+  if (r < rows) rest<KIND>(x + r * ldx, ldx, rows - r, w, ldw, blocks, y + r * n, n, o0, o1);
 }
 
 // Rows of x in slabs that stay in cache while a thread walks its outputs.
 constexpr int64_t kRowSlab = 32;
 
-at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& raw, int64_t kind) {
+}  // namespace
+
+at::Tensor specserve::qmatmul(const at::Tensor& x, const at::Tensor& raw, int64_t kind) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "qmatmul: x must be a contiguous float32 [rows, in]");
   TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == at::kByte && raw.is_contiguous(),
@@ -199,8 +207,6 @@ at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& raw, int64_t kind) {
   return y;
 }
 
-}  // namespace
-
 TORCH_LIBRARY(specserve_q, m) {
-  m.def("qmatmul(Tensor x, Tensor raw, int kind) -> Tensor", &qmatmul);
+  m.def("qmatmul(Tensor x, Tensor raw, int kind) -> Tensor", &specserve::qmatmul);
 }

@@ -9,7 +9,10 @@
 #include <cmath>
 #include <cstdint>
 
-namespace {
+#include "cpu_ops.h"
+#include "simd.h"
+
+namespace specserve {
 
 // x [rows, hidden] -> x / sqrt(mean(x^2) + eps) * weight.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -66,9 +69,31 @@ void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, int64_t h
   });
 }
 
-}  // namespace
+// gate_up [rows, 2 I] (the fused gate and up projections) -> silu(gate) * up [rows, I], with
+// simd.h's exp (torch's silu would round differently on the two forward paths of a native model).
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kFloat && gate_up.is_contiguous() &&
+              gate_up.size(1) % (2 * kWidth) == 0,
+              "silu_mul: gate_up must be contiguous float32 [rows, 2 I], I a multiple of ", kWidth);
+  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
+  at::Tensor y = at::empty({rows, inter}, gate_up.options());
+  const float* gp = gate_up.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t i = 0; i < inter; i += kWidth) {
+        const Vec g = vload(gp + r * 2 * inter + i), u = vload(gp + r * 2 * inter + inter + i);
+        vstore(yp + r * inter + i, g / (vset1(1.0f) + vexp(vzero() - g)) * u);
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace specserve
 
 TORCH_LIBRARY_FRAGMENT(specserve_q, m) {
-  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
-  m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin, int heads, int dim) -> ()", &rope_);
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &specserve::rms_norm);
+  m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin, int heads, int dim) -> ()", &specserve::rope_);
+  m.def("silu_mul(Tensor gate_up) -> Tensor", &specserve::silu_mul);
 }

@@ -33,7 +33,7 @@ def code_version() -> str:
     """A digest of every source of the services (Python and the CPU kernels' C++): any change
     measures afresh."""
     digest = hashlib.sha256()
-    for path in sorted([*SOURCES.rglob("*.py"), *SOURCES.rglob("*.cpp")]):
+    for path in sorted([*SOURCES.rglob("*.py"), *SOURCES.rglob("*.cpp"), *SOURCES.rglob("*.h")]):
         digest.update(str(path.relative_to(SOURCES)).encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]

@@ -86,9 +86,9 @@ def test_the_block_kernel_names_what_is_wrong_with_its_inputs():
 
 
 @needs_kernel
-def test_the_rowwise_kernels_match_torchs_norm_and_rope():
-    """rowwise.cpp's RMSNorm and in-place RoPE (native models' layers) against torch's ops, row
-    by row the same whatever the rows beside it."""
+def test_the_rowwise_kernels_match_torchs_norm_rope_and_silu():
+    """rowwise.cpp's RMSNorm, in-place RoPE and silu(gate) * up (native models' layers) against
+    torch's ops, row by row the same whatever the rows beside it."""
     torch.manual_seed(0)
     x, w = torch.randn(7, 576) * 3, torch.randn(576)
     y = torch.ops.specserve_q.rms_norm(x, w, 1e-5)
@@ -105,6 +105,11 @@ def test_the_rowwise_kernels_match_torchs_norm_and_rope():
     assert torch.equal(rotated[:, 192:], qkv[:, 192:])  # heads past the count stay as they were
     with pytest.raises(RuntimeError, match="weight must be float32 \\[hidden\\]"):
         torch.ops.specserve_q.rms_norm(x, w[:10], 1e-5)
+    gate_up = torch.randn(4, 2 * 1536) * 4
+    y = torch.ops.specserve_q.silu_mul(gate_up)
+    ref = torch.nn.functional.silu(gate_up[:, :1536]) * gate_up[:, 1536:]
+    assert torch.allclose(y, ref, rtol=1e-6, atol=1e-6)
+    assert torch.equal(torch.ops.specserve_q.silu_mul(gate_up[1:2].contiguous()), y[1:2])
 
 
 def test_without_a_compiler_quantized_weights_take_the_int4_route(tmp_path):
@@ -143,6 +148,45 @@ def test_native_logits_stay_within_the_bound_of_float32(default_native, default_
     assert out[0].shape == (rows, 49152)
     rounds = default_native.model.lm_head.native.rounds_activations
     assert float((out[0] - out[1]).abs().max()) < (INT4_BOUND if rounds else BLOCK_KERNEL_BOUND)
+
+
+def _prefixed(model, ids, chunk_tokens, parents, states=()):
+    """Logits (and states) of one chunk after the cached 16-token prefix of ids."""
+    cache = model.new_cache(64)
+    model.forward([Chunk(cache, ids[:16], list(range(-1, 15)), 16)])
+    logits, st = model.forward_states([Chunk(cache, chunk_tokens, parents, 0)], states)
+    return logits[0], (st[0] if states else None), cache
+
+
+def test_the_native_stack_in_one_call_gives_the_op_by_op_forwards_bits(default_native):
+    """layers.cpp runs the decoder stack of a native model for few rows; the Python loop over the
+    same kernels (prompts, wide trees) must give the same bits: the KV, logits and states."""
+    model = default_native.model
+    assert model.stack is not None  # the served default target takes the one-call path
+    ids = default_native.tokenizer("The quick brown fox jumps over the lazy dog. " * 4)["input_ids"]
+    tree = (ids[16:21], [-1, 0, 0, 1, 2])
+    fused = _prefixed(model, ids, *tree, states=(2, 15, 27))
+    stack, model.stack = model.stack, None
+    try:
+        ops = _prefixed(model, ids, *tree, states=(2, 15, 27))
+    finally:
+        model.stack = stack
+    assert torch.equal(fused[0], ops[0]) and torch.equal(fused[1], ops[1])
+    assert torch.equal(fused[2].k[:, :, :21], ops[2].k[:, :, :21])
+
+
+def test_a_tree_node_gets_plain_decodings_logits_bitwise(default_native):
+    """Node 3 of the tree [-1, 0, 0, 1, 2] lies on the path 0, 1, 3: its logits are the ones plain
+    decoding of those tokens computes at the same position, to the bit (matmul, attention and
+    the small ops are all row-independent on native weights)."""
+    model = default_native.model
+    ids = default_native.tokenizer("Once upon a time, in a small village by the sea, " * 3)["input_ids"]
+    tree_tokens = ids[16:21]
+    tree_logits, _, _ = _prefixed(model, ids, tree_tokens, [-1, 0, 0, 1, 2])
+    _, _, cache = _prefixed(model, ids, tree_tokens[:1], [-1])
+    for node in (1, 3):  # one decode step each, along the path
+        plain = model.forward([Chunk(cache, [tree_tokens[node]], [-1], 0)])[0]
+        assert torch.equal(plain[0], tree_logits[node]), node
 
 
 def test_native_weights_hold_a_tenth_of_float32(default_native, default_model):

@@ -1,0 +1,25 @@
+// The CPU kernels' ops as C++ functions, for one translation unit to call another's without
+// torch's dispatcher (layers.cpp runs a whole decoder stack through them).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+namespace specserve {
+
+// qmatmul.cpp: x [rows, in] float32 @ the GGUF blocks raw [out, bytes] of `kind` -> [rows, out].
+at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& raw, int64_t kind);
+
+// rowwise.cpp
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads, int64_t dim);
+at::Tensor silu_mul(const at::Tensor& gate_up);
+
+// attention.cpp
+void attend_(at::Tensor out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+             at::TensorList k_caches, at::TensorList v_caches, at::IntArrayRef offsets,
+             at::IntArrayRef lengths, at::IntArrayRef starts, at::IntArrayRef tree_starts,
+             at::TensorList visible, double scale);
+
+}  // namespace specserve

@@ -1,0 +1,56 @@
+// The float vector the CPU kernels compute with: AVX-512 where the build machine has it, else
+// AVX2 + FMA. Every lane runs the same instructions, so a value's result never depends on the
+// lane or the vector it falls in.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace specserve {
+
+#if defined(__AVX512F__)
+using Vec = __m512;
+constexpr int kWidth = 16;
+inline Vec vzero() { return _mm512_setzero_ps(); }
+inline Vec vset1(float x) { return _mm512_set1_ps(x); }
+inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, Vec a) { _mm512_storeu_ps(p, a); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline float vsum(Vec a, Vec b) { return _mm512_reduce_add_ps(_mm512_add_ps(a, b)); }
+#else
+using Vec = __m256;
+constexpr int kWidth = 8;
+inline Vec vzero() { return _mm256_setzero_ps(); }
+inline Vec vset1(float x) { return _mm256_set1_ps(x); }
+inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, Vec a) { _mm256_storeu_ps(p, a); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline float vsum(Vec a, Vec b) {
+  const __m256 s = _mm256_add_ps(a, b);
+  __m128 v = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+  v = _mm_add_ss(v, _mm_movehdup_ps(v));
+  return _mm_cvtss_f32(v);
+}
+#endif
+
+// exp(x) lane by lane, about 2 ulp: x = n ln2 + r, a degree-6 polynomial in r (Cephes' expf
+// coefficients), times 2^n built in the exponent bits. x is clamped to [-87, 88]: below, 2^-126
+// rather than a subnormal (softmax zeroes masked lanes itself); above, about 1.7e38, not inf.
+inline Vec vexp(Vec x) {
+  using Ints = int32_t __attribute__((vector_size(sizeof(Vec))));
+  const Vec lo = vset1(-87.0f), hi = vset1(88.0f), magic = vset1(12582912.0f);  // 1.5 * 2^23
+  x = x < lo ? lo : x > hi ? hi : x;
+  const Vec n = (x * vset1(1.44269504f) + magic) - magic;
+  const Vec r = (x - n * vset1(0.693359375f)) - n * vset1(-2.12194440e-4f);
+  Vec p = vset1(1.9875691500e-4f);
+  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f,
+                  5.0000001201e-1f})
+    p = p * r + vset1(c);
+  const Vec y = p * r * r + r + vset1(1.0f);
+  const Ints bits = (__builtin_convertvector(n, Ints) + 127) << 23;
+  return y * reinterpret_cast<const Vec&>(bits);
+}
+
+}  // namespace specserve
