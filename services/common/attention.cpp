@@ -1,7 +1,7 @@
 // Attention of a step's few new rows (decode tokens, draft trees) over each sequence's KV cache,
 // on CPU, in one call per layer: the new keys and values are written into the caches, then every
-// (row, head) attends to the slots it sees. torch's fused kernel costs about 80 us a call at one
-// row, more than the arithmetic; a long prompt chunk still goes to torch (a GEMM serves it better).
+// (row, head) attends to the slots it sees. For a few rows torch's fused kernel spends more in its
+// setup than in the arithmetic; a long prompt chunk still goes to torch (a GEMM serves it better).
 //
 // Each (row, head) walks its visible slots in slot order with the same instructions, so its result
 // depends only on those keys and values: a tree node on the accepted path gets bitwise the output
@@ -32,7 +32,7 @@ struct Seq {  // one chunk of the step, as the kernel reads it
   const bool* visible;  // [n, start + n - tree_start]: tree slots each row sees; null = causal
 };
 
-constexpr int64_t kRows = 4;  // rows of one chunk that share each key and value read
+constexpr int64_t kRows = 4;  // rows of one chunk that share each key read
 
 // Whether row r of s sees slot i (i <= s.start + r).
 inline bool sees(const Seq& s, int64_t r, int64_t i) {
@@ -62,7 +62,8 @@ void weighted_pass(const float* p, const std::vector<int64_t>& seen, const float
   }
   if (c < count) {
     const Vec w0 = vset1(p[seen[c]]);
-    for (int k = 0; k < NV; ++k) even[k] = vfma(w0, vload(V + seen[c] * dim + d0 + k * kWidth), even[k]);
+    const float* v0 = V + seen[c] * dim + d0;
+    for (int k = 0; k < NV; ++k) even[k] = vfma(w0, vload(v0 + k * kWidth), even[k]);
   }
   for (int k = 0; k < NV; ++k) vstore(out + d0 + k * kWidth, (even[k] + odd[k]) * inv);
 }
@@ -179,10 +180,10 @@ void check_rows(const at::Tensor& x, const char* name, int64_t heads, int64_t di
 // [N, kv_heads, dim]: the step's new rows. Per chunk i: rows offsets[i] .. + lengths[i];
 // k_caches[i], v_caches[i] [kv_heads, capacity, dim] (this layer's); starts[i] (its cache length
 // before this forward), tree_starts[i], visible[i] ([n, m] bool, or empty: causal).
-void specserve::attend_(at::Tensor out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-             at::TensorList k_caches, at::TensorList v_caches, at::IntArrayRef offsets,
-             at::IntArrayRef lengths, at::IntArrayRef starts, at::IntArrayRef tree_starts,
-             at::TensorList visible, double scale) {
+void specserve::attend_(at::Tensor out, const at::Tensor& q, const at::Tensor& k,
+                        const at::Tensor& v, at::TensorList k_caches, at::TensorList v_caches,
+                        at::IntArrayRef offsets, at::IntArrayRef lengths, at::IntArrayRef starts,
+                        at::IntArrayRef tree_starts, at::TensorList visible, double scale) {
   TORCH_CHECK(q.dim() == 3, "attend_: q must be [rows, heads, dim]");
   const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2);
   const size_t chunks = lengths.size();
@@ -195,10 +196,12 @@ void specserve::attend_(at::Tensor out, const at::Tensor& q, const at::Tensor& k
   TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes() && out.scalar_type() == at::kFloat,
               "attend_: out must be contiguous float32 shaped like q");
   const int64_t kv_heads = k.size(1);
-  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "attend_: heads must be a multiple of kv_heads");
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0,
+              "attend_: heads must be a multiple of kv_heads");
   check_rows(k, "k", kv_heads, dim);
   check_rows(v, "v", kv_heads, dim);
-  TORCH_CHECK(k.size(0) == rows && v.size(0) == rows, "attend_: q, k and v must have the same rows");
+  TORCH_CHECK(k.size(0) == rows && v.size(0) == rows,
+              "attend_: q, k and v must have the same rows");
   std::vector<Seq> seqs(chunks);
   std::vector<std::pair<size_t, int64_t>> blocks;  // (chunk, first row) of each block of rows
   for (size_t i = 0; i < chunks; ++i) {

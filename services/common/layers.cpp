@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -34,7 +35,7 @@ std::vector<at::Tensor> layers(at::Tensor x, const at::Tensor& cos, const at::Te
               "layers: one K and one V cache per chunk");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "layers: x must be contiguous [rows, hidden]");
   const int64_t rows = x.size(0), dim = cos.size(1), hq = heads * dim, hk = kv_heads * dim;
-  const double scale = 1.0 / std::sqrt(static_cast<double>(dim));
+  const double scale = std::pow(static_cast<double>(dim), -0.5);  // as Python's dim ** -0.5
   std::vector<at::Tensor> out{x};
   std::vector<at::Tensor> kc(k_caches.size()), vc(v_caches.size());
   size_t next = 0;
@@ -51,7 +52,8 @@ std::vector<at::Tensor> layers(at::Tensor x, const at::Tensor& cos, const at::Te
                        qkv.narrow(1, hq + hk, hk).view({rows, kv_heads, dim}), kc, vc, offsets,
                        lengths, starts, tree_starts, visible, scale);
     x = x + qmatmul(attn.view({rows, hq}), blocks[4 * li + 1], kinds[4 * li + 1]);
-    at::Tensor gate_up = qmatmul(rms_norm(x, norms[2 * li + 1], eps), blocks[4 * li + 2], kinds[4 * li + 2]);
+    at::Tensor gate_up =
+        qmatmul(rms_norm(x, norms[2 * li + 1], eps), blocks[4 * li + 2], kinds[4 * li + 2]);
     x = x + qmatmul(specserve::silu_mul(gate_up), blocks[4 * li + 3], kinds[4 * li + 3]);
     if (next < capture.size() && capture[next] == li) {
       out.push_back(x);

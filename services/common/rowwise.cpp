@@ -72,8 +72,8 @@ void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, int64_t h
 // gate_up [rows, 2 I] (the fused gate and up projections) -> silu(gate) * up [rows, I], with
 // simd.h's exp (torch's silu would round differently on the two forward paths of a native model).
 at::Tensor silu_mul(const at::Tensor& gate_up) {
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kFloat && gate_up.is_contiguous() &&
-              gate_up.size(1) % (2 * kWidth) == 0,
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kFloat &&
+              gate_up.is_contiguous() && gate_up.size(1) % (2 * kWidth) == 0,
               "silu_mul: gate_up must be contiguous float32 [rows, 2 I], I a multiple of ", kWidth);
   const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
   at::Tensor y = at::empty({rows, inter}, gate_up.options());
