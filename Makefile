@@ -27,7 +27,7 @@ protos: deps
 
 model: deps
 	$(BIN)/specserve prepare --target default
-	# the CPU kernels for this machine (services/common/cpu_kernels.py; about 20 s, once)
+	# the CPU kernels for this machine (services/common/cpu_kernels.py; about 30 s, once)
 	$(BIN)/python -m services.common.cpu_kernels
 
 # Rebuild the committed default draft (models/draft) from the default target: the target answers

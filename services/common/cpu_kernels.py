@@ -1,11 +1,13 @@
-"""The project's CPU kernels (`qmatmul.cpp`, `rowwise.cpp`, `attention.cpp`): built for this machine, then loaded.
+"""The project's CPU kernels: built for this machine, then loaded.
 
-The sources compile once per machine into one library (g++ -march=native: the matmul needs AVX2,
-FMA and F16C; OpenMP through torch's own runtime, so its threads are torch's) against the
-installed torch, under `$SPECSERVE_HOME/build/` with a name keyed by the sources, torch's version
-and the CPU's flags. `make setup` builds it, a first load otherwise does (about 20 s). Without a
-compiler or those instructions `available()` is False: native weights take torch's int4 route
-and the layers torch's own ops.
+`qmatmul.cpp` (the block matmul), `rowwise.cpp` (RMSNorm, RoPE, silu * up), `attention.cpp` (few
+rows over their KV caches) and `layers.cpp` (a native model's decoder stack through all of them,
+in one call); `simd.h` and `cpu_ops.h` are shared. The sources compile once per machine into one
+library (g++ -march=native: the matmul needs AVX2, FMA and F16C; OpenMP through torch's own
+runtime, so its threads are torch's) against the installed torch, under `$SPECSERVE_HOME/build/`
+with a name keyed by the sources, torch's version and the CPU's flags. `make setup` builds it, a
+first load otherwise does (about 30 s). Without a compiler or those instructions `available()`
+is False: native weights take torch's int4 route and the layers torch's own ops.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from services.common.machine import cpu_flags
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / "qmatmul.cpp", HERE / "rowwise.cpp", HERE / "attention.cpp", HERE / "layers.cpp"]  # ops under torch.ops.specserve_q
+# Their ops register under torch.ops.specserve_q.
+SOURCES = [HERE / f"{name}.cpp" for name in ("qmatmul", "rowwise", "attention", "layers")]
 HEADERS = [HERE / "simd.h", HERE / "cpu_ops.h"]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC"]
 
@@ -37,8 +40,8 @@ def library_path() -> Path:
     from services.common.loading import specserve_home
 
     key = hashlib.sha256()
-    for part in [s.read_bytes() for s in SOURCES + HEADERS] + [torch.__version__.encode(), cpu_flags().encode(),
-                                                     " ".join(FLAGS).encode()]:
+    parts = [s.read_bytes() for s in SOURCES + HEADERS]
+    for part in parts + [torch.__version__.encode(), cpu_flags().encode(), " ".join(FLAGS).encode()]:
         key.update(part)
     return specserve_home() / "build" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
 
