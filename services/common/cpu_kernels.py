@@ -41,7 +41,8 @@ def library_path() -> Path:
 
     key = hashlib.sha256()
     parts = [s.read_bytes() for s in SOURCES + HEADERS]
-    for part in parts + [torch.__version__.encode(), cpu_flags().encode(), " ".join(FLAGS).encode()]:
+    parts += [torch.__version__.encode(), cpu_flags().encode(), " ".join(FLAGS).encode()]
+    for part in parts:
         key.update(part)
     return specserve_home() / "build" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
 
