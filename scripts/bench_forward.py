@@ -1,10 +1,11 @@
 """Benchmark: the verify cost curve, one target forward of n rows after a cached prompt.
 
-For the default target (or --target) as served (native GGUF weights on the block kernel; for
-chunks of up to 8 rows the whole decoder stack in one call, layers.cpp, with attention.cpp), the
-same model op by op from Python, op by op with torch's attention kernel (before both), on torch's
-int4 route (the fallback: bfloat16 activations, float64 attention) and on
-float32 weights, the time of one forward of a chain of n new rows after a `--context`-token
+For the default target (or --target) as served (native GGUF weights: 4-bit layers on the tile
+kernel's integer dot products, q8matmul.cpp; for chunks of up to 8 rows the whole decoder stack
+in one call, layers.cpp, with attention.cpp), the same on the float32 block kernel
+(SPECSERVE_NATIVE_MATMUL=float, as served before the tile kernel), the served model op by op
+from Python, on torch's int4 route (the fallback: bfloat16 activations, float64 attention) and
+on float32 weights, the time of one forward of a chain of n new rows after a `--context`-token
 prefix, the cache rolled back after each. The models run interleaved per repeat; medians
 over repeats. This is what the latency model learns at load, and what decides how many rows
 speculation can afford.
@@ -50,13 +51,12 @@ def main() -> None:
     args = ap.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
     models = {"native": load_model(args.target, weight_format="native").model}
+    for name, route in (("native_float", "float"), ("int4", "int4")):
+        os.environ[ROUTE_ENV] = route
+        models[name] = load_model(args.target, weight_format="native").model
+        del os.environ[ROUTE_ENV]
     models["native_ops"] = load_model(args.target, weight_format="native").model
-    models["native_ops"].stack = None  # the layers op by op from Python, as before layers.cpp
-    models["native_sdpa"] = load_model(args.target, weight_format="native").model
-    models["native_sdpa"].stack, models["native_sdpa"].attend_cpu = None, False  # and torch's attention
-    os.environ[ROUTE_ENV] = "int4"
-    models["int4"] = load_model(args.target, weight_format="native").model
-    del os.environ[ROUTE_ENV]
+    models["native_ops"].stack = None  # the layers op by op from Python
     models["float32"] = load_model(args.target, weight_format="float32").model
     prompt = list(range(100, 100 + args.context))
     caches = {}
@@ -73,13 +73,13 @@ def main() -> None:
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"One forward of n rows after {args.context} cached tokens, {args.target}, median of {args.repeats} "
           f"interleaved repeats. {stamp(meta(sys.argv))}.\n")
-    names = ("native", "native_ops", "native_sdpa", "int4", "float32")
-    print("| rows | native ms | op by op ms | op by op, torch attention ms | int4 route ms | float32 ms "
-          "| native / op by op, torch attention | native / float32 |")
+    names = ("native", "native_float", "native_ops", "int4", "float32")
+    print("| rows | native ms | float block kernel ms | op by op ms | int4 route ms | float32 ms "
+          "| native / float block kernel | native / float32 |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        n, o, s, i, f = (med[(name, r)] for name in names)
-        print(f"| {r} | {n:.1f} | {o:.1f} | {s:.1f} | {i:.1f} | {f:.1f} | {n / s:.2f} | {n / f:.2f} |")
+        n, b, o, i, f = (med[(name, r)] for name in names)
+        print(f"| {r} | {n:.1f} | {b:.1f} | {o:.1f} | {i:.1f} | {f:.1f} | {n / b:.2f} | {n / f:.2f} |")
 
 
 if __name__ == "__main__":

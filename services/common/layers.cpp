@@ -13,14 +13,20 @@
 
 namespace {
 
-using specserve::qmatmul;
 using specserve::rms_norm;
+
+constexpr int64_t kTiles = 3;  // qmatmul.py's TILES: q8matmul.cpp's packed 4-bit weights
+
+at::Tensor matmul(const at::Tensor& x, const at::Tensor& w, int64_t kind) {
+  return kind == kTiles ? specserve::q8matmul(x, w) : specserve::qmatmul(x, w, kind);
+}
 
 // x [N, hidden] (the embedded rows) through every layer; returns the output of the last, then
 // the outputs of the layers in `capture` (ascending). Per layer li: norms[2 li], norms[2 li + 1]
 // (input and post-attention RMSNorm weights); blocks[4 li .. 4 li + 3] and kinds (the fused qkv,
-// o, fused gate-up and down projections' GGUF blocks). cos, sin [N, dim]: the rows' RoPE. Per
-// chunk: k_caches[i], v_caches[i] [layers, kv_heads, capacity, dim] and attend_'s plan.
+// o, fused gate-up and down projections' GGUF blocks, or q8matmul's tiles). cos, sin [N, dim]:
+// the rows' RoPE. Per chunk: k_caches[i], v_caches[i] [layers, kv_heads, capacity, dim] and
+// attend_'s plan.
 std::vector<at::Tensor> layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
                                at::TensorList norms, at::TensorList blocks, at::IntArrayRef kinds,
                                at::TensorList k_caches, at::TensorList v_caches,
@@ -40,7 +46,7 @@ std::vector<at::Tensor> layers(at::Tensor x, const at::Tensor& cos, const at::Te
   std::vector<at::Tensor> kc(k_caches.size()), vc(v_caches.size());
   size_t next = 0;
   for (int64_t li = 0; li < num_layers; ++li) {
-    at::Tensor qkv = qmatmul(rms_norm(x, norms[2 * li], eps), blocks[4 * li], kinds[4 * li]);
+    at::Tensor qkv = matmul(rms_norm(x, norms[2 * li], eps), blocks[4 * li], kinds[4 * li]);
     specserve::rope_(qkv, cos, sin, heads + kv_heads, dim);  // q and k rotated in place
     for (size_t i = 0; i < k_caches.size(); ++i) {
       kc[i] = k_caches[i][li];
@@ -51,10 +57,10 @@ std::vector<at::Tensor> layers(at::Tensor x, const at::Tensor& cos, const at::Te
                        qkv.narrow(1, hq, hk).view({rows, kv_heads, dim}),
                        qkv.narrow(1, hq + hk, hk).view({rows, kv_heads, dim}), kc, vc, offsets,
                        lengths, starts, tree_starts, visible, scale);
-    x = x + qmatmul(attn.view({rows, hq}), blocks[4 * li + 1], kinds[4 * li + 1]);
+    x = x + matmul(attn.view({rows, hq}), blocks[4 * li + 1], kinds[4 * li + 1]);
     at::Tensor gate_up =
-        qmatmul(rms_norm(x, norms[2 * li + 1], eps), blocks[4 * li + 2], kinds[4 * li + 2]);
-    x = x + qmatmul(specserve::silu_mul(gate_up), blocks[4 * li + 3], kinds[4 * li + 3]);
+        matmul(rms_norm(x, norms[2 * li + 1], eps), blocks[4 * li + 2], kinds[4 * li + 2]);
+    x = x + matmul(specserve::silu_mul(gate_up), blocks[4 * li + 3], kinds[4 * li + 3]);
     if (next < capture.size() && capture[next] == li) {
       out.push_back(x);
       ++next;

@@ -17,11 +17,12 @@ import torch
 import torch.nn.functional as F
 
 from services.common import quant
+from services.common.quant import Int4Weight
 from services.common.gguf_blocks import BlockTensor
 from services.common.kv_cache import KVCache
 from services.common.matmul import Matmul, Weight
 from services.common.model_config import ModelConfig
-from services.common.qmatmul import KINDS, BlockWeight
+from services.common.qmatmul import KINDS, TILES, BlockWeight, TileWeight
 from services.common.tree import ancestor_mask, forest_depths
 
 
@@ -56,10 +57,6 @@ class Plan(NamedTuple):
     mask: torch.Tensor | None  # torch's attention: [group * n, start + n] bool, None = all
     visible: torch.Tensor | None  # attention.cpp's [n, m] (NO_MASK: causal); None = torch's
 
-
-# A chunk of at most this many rows attends in attention.cpp (on a native model); a longer one,
-# a prompt, in torch's kernel, whose matrix products serve many rows better.
-ATTEND_MAX_ROWS = 8
 NO_MASK = torch.empty(0, dtype=torch.bool)
 
 
@@ -133,13 +130,13 @@ class LlamaModel:
         # int4 matmuls round their inputs to bfloat16, which turns attention's last-bit differences
         # between row counts (a decode row, a verify tree) into different tokens; in float64 the
         # float32 results agree bitwise, so plain decoding and verification see the same logits.
-        rounds = any(getattr(w.native, "rounds_activations", False) for w in self.linear_weights())
+        rounds = any(isinstance(w.native, Int4Weight) for w in self.linear_weights())
         self.attention_dtype = torch.float64 if rounds else dtype
         # On the block kernel, the norms, RoPE, silu * up and the attention of few rows also take
         # the CPU kernels' one-call versions, and a forward of few rows runs the whole stack in
         # one call (layers.cpp); a float32 model keeps torch's ops: its greedy output is compared
         # with transformers'.
-        self.rowwise = any(isinstance(w.native, BlockWeight) for w in self.linear_weights())
+        self.rowwise = any(isinstance(w.native, (BlockWeight, TileWeight)) for w in self.linear_weights())
         self.attend_cpu = self.rowwise and dtype == torch.float32 and c.head_dim % 32 == 0
         self.silu_mul = self.rowwise and c.intermediate_size % 16 == 0
         self.stack = self._native_stack()
@@ -158,11 +155,11 @@ class LlamaModel:
         for L in self.layers:
             weights = [L[k].native for k in ("wqkv", "wo", "wgu", "wd")]
             if L["bqkv"] is not None or L["q_norm"] is not None or \
-                    not all(isinstance(w, BlockWeight) for w in weights):
+                    not all(isinstance(w, (BlockWeight, TileWeight)) for w in weights):
                 return None
             norms += [L["ln1"], L["ln2"]]
-            blocks += [w.block.raw for w in weights]
-            kinds += [KINDS[w.block.kind] for w in weights]
+            blocks += [w.tiles if isinstance(w, TileWeight) else w.block.raw for w in weights]
+            kinds += [TILES if isinstance(w, TileWeight) else KINDS[w.block.kind] for w in weights]
         return norms, blocks, kinds
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
@@ -238,32 +235,30 @@ class LlamaModel:
         return self._rope(q, cos, sin), self._rope(k, cos, sin)
 
     def _attention(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   chunks: list[Chunk], plans: list[Plan], kernel_parents: torch.Tensor | None
+                   parts: list[tuple[Chunk, Plan]], kernel_parents: torch.Tensor | None
                    ) -> torch.Tensor:
         """Write this layer's new k, v [N, kv_heads, head_dim] into each cache, then attend:
         q [N, heads, head_dim] -> [N, heads, head_dim]."""
         c = self.config
         group, d = c.num_heads // c.num_kv_heads, c.head_dim
+        torch_parts = [(ch, p) for ch, p in parts if p.visible is None]
+        for ch, (off, n, start, *_) in torch_parts:  # before attend_ reads them (a chunk's tree)
+            ch.cache.k[li][:, start : start + n] = k[off : off + n].transpose(0, 1)
+            ch.cache.v[li][:, start : start + n] = v[off : off + n].transpose(0, 1)
         if kernel_parents is not None:  # one CUDA launch for every request of the batch
-            for ch, (off, n, start, *_) in zip(chunks, plans):
-                ch.cache.k[li][:, start : start + n] = k[off : off + n].transpose(0, 1)
-                ch.cache.v[li][:, start : start + n] = v[off : off + n].transpose(0, 1)
             return self.tree_attention(
-                q, [ch.cache.k[li] for ch in chunks], [ch.cache.v[li] for ch in chunks],
-                [p.start for p in plans], [p.n for p in plans], kernel_parents, check_parents=(li == 0))
+                q, [ch.cache.k[li] for ch, _ in parts], [ch.cache.v[li] for ch, _ in parts],
+                [p.start for _, p in parts], [p.n for _, p in parts], kernel_parents,
+                check_parents=(li == 0))
         attn = torch.empty_like(q)
-        few = [(ch, p) for ch, p in zip(chunks, plans) if p.visible is not None]
-        if few:  # attention.cpp: the cache writes and every (row, head) of these chunks, one call
+        few = [(ch, p) for ch, p in parts if p.visible is not None]
+        if few:  # attention.cpp: the cache writes and every (row, head) of these parts, one call
             torch.ops.specserve_q.attend_(
                 attn, q, k, v, [ch.cache.k[li] for ch, _ in few], [ch.cache.v[li] for ch, _ in few],
                 [p.offset for _, p in few], [p.n for _, p in few], [p.start for _, p in few],
                 [p.tree_start for _, p in few], [p.visible for _, p in few], d ** -0.5)
-        for ch, (off, n, start, _, mask, visible) in zip(chunks, plans):
-            if visible is not None:
-                continue
+        for ch, (off, n, start, _, mask, _) in torch_parts:
             kc, vc = ch.cache.k[li], ch.cache.v[li]  # [kv_heads, capacity, head_dim]
-            kc[:, start : start + n] = k[off : off + n].transpose(0, 1)
-            vc[:, start : start + n] = v[off : off + n].transpose(0, 1)
             # Query heads of one KV group share its keys: [kv_heads, group * n, head_dim]
             qs = q[off : off + n].view(n, c.num_kv_heads, group, d).permute(1, 2, 0, 3)
             qs = qs.reshape(c.num_kv_heads, group * n, d)
@@ -272,14 +267,14 @@ class LlamaModel:
             o = F.scaled_dot_product_attention(qs[None].to(at), kc[None, :, : start + n].to(at),
                                                vc[None, :, : start + n].to(at), attn_mask=mask)[0].to(q.dtype)
             o = o.view(c.num_kv_heads, group, n, d).permute(2, 0, 1, 3)  # [n, kv_heads, group, head_dim]
-            if len(chunks) == 1:  # one sequence: no packed output to fill
+            if len(parts) == 1:  # one part: no packed output to fill
                 return o.reshape(n, c.num_heads, d)
             attn[off : off + n] = o.reshape(n, c.num_heads, d)
         return attn
 
-    def _layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, chunks: list[Chunk],
-                plans: list[Plan], kernel_parents: torch.Tensor | None, layers: tuple[int, ...]
-                ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def _layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                parts: list[tuple[Chunk, Plan]], kernel_parents: torch.Tensor | None,
+                layers: tuple[int, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The decoder layers op by op: x [N, hidden] -> the last layer's output and those of
         `layers`."""
         c = self.config
@@ -290,13 +285,36 @@ class LlamaModel:
             qkv = self.matmul(h, L["wqkv"], L["bqkv"])  # [N, hq + 2 hk]
             v = qkv[:, hq + hk :].view(-1, c.num_kv_heads, d)
             q, k = self._rotated_qk(qkv, L, cos, sin)
-            attn = self._attention(li, q, k, v, chunks, plans, kernel_parents)  # [N, heads, head_dim]
+            attn = self._attention(li, q, k, v, parts, kernel_parents)  # [N, heads, head_dim]
             x = x + self.matmul(attn.reshape(-1, hq), L["wo"])
             h = self._norm(x, L["ln2"])
             x = x + self.matmul(self._silu_mul(self.matmul(h, L["wgu"])), L["wd"])
             if li in layers:
                 captured.append(x)
         return x, captured
+
+    def _plans(self, ch: Chunk, offset: int, start: int, tree_start: int, group: int) -> list[Plan]:
+        """How the chunk's rows attend. On the CPU kernels, its rows from logits_from on (the rows
+        that yield tokens) take attention.cpp, whatever their count, and its rows before (a
+        prompt's) torch's kernel: so a row that yields a token gets the same bits in a decode
+        step, a draft tree or after a prompt. Elsewhere every row takes torch's kernel."""
+        n, m = len(ch.tokens), len(ch.parents)
+        split = min(ch.logits_from, n) if self.attend_cpu else n
+        plans = []
+        if split:  # [group * split, start + split] bool; rows ordered (head in group, token)
+            mask = None
+            tree = ancestor_mask(ch.parents)[m - n : m - n + split, : m - n + split]
+            if m > 1 and (split > 1 or not bool(tree.all())):
+                prefix = torch.ones(split, tree_start, dtype=torch.bool)
+                mask = torch.cat([prefix, tree], 1).repeat(group, 1).to(self.device)
+            plans.append(Plan(offset, split, start, tree_start, mask, None))
+        if split < n:  # [n - split, m] tree slots each row sees (NO_MASK: causal)
+            if tree_start == start and all(p == i - 1 for i, p in enumerate(ch.parents)):
+                visible, tree_start = NO_MASK, start + split
+            else:
+                visible = ancestor_mask(ch.parents)[m - n + split :].contiguous()
+            plans.append(Plan(offset + split, n - split, start + split, tree_start, None, visible))
+        return plans
 
     def forward(self, chunks: list[Chunk]) -> list[torch.Tensor]:
         """Run the new tokens of every chunk; returns per chunk logits [rows, vocab] (float32)."""
@@ -310,7 +328,7 @@ class LlamaModel:
         a feature-level draft head reads them). No layers: empty states."""
         c = self.config
         group = c.num_heads // c.num_kv_heads
-        tokens, positions, plans, logit_rows = [], [], [], []
+        tokens, positions, parts, logit_rows = [], [], [], []  # parts: (chunk, Plan)
         offset = 0
         for ch in chunks:
             n, start = len(ch.tokens), ch.cache.length
@@ -324,16 +342,7 @@ class LlamaModel:
             ch.cache.reserve(start + n)
             tokens.extend(ch.tokens)
             positions.extend(tree_start + d for d in depths)
-            mask = visible = None
-            if self.attend_cpu and n <= ATTEND_MAX_ROWS:  # [n, m] tree slots each row sees
-                causal = tree_start == start and all(p == i - 1 for i, p in enumerate(ch.parents))
-                visible = NO_MASK if causal else ancestor_mask(ch.parents)[m - n :].contiguous()
-            elif m > 1:  # [group * n, start + n] bool; rows ordered (head in group, token)
-                tree = ancestor_mask(ch.parents)[m - n :].to(self.device)  # [n, m]
-                if n > 1 or not bool(tree.all()):
-                    prefix = torch.ones(n, tree_start, dtype=torch.bool, device=self.device)
-                    mask = torch.cat([prefix, tree], 1).repeat(group, 1)
-            plans.append(Plan(offset, n, start, tree_start, mask, visible))
+            parts.extend((ch, plan) for plan in self._plans(ch, offset, start, tree_start, group))
             logit_rows.extend(range(offset + ch.logits_from, offset + n))
             offset += n
 
@@ -343,17 +352,17 @@ class LlamaModel:
         x = self.embedding(ids)  # [N, hidden]
         kernel_parents = None  # [N] local parents, when the CUDA kernel takes this batch
         if self.tree_attention is not None and all(p.tree_start == p.start and p.n <= 256
-                                                   for p in plans):
+                                                   for _, p in parts):
             kernel_parents = torch.tensor([p for ch in chunks for p in ch.parents],
                                           dtype=torch.int32, device=self.device)
-        if self.stack is not None and all(p.visible is not None for p in plans):
+        if self.stack is not None and all(p.visible is not None for _, p in parts):
             x, *captured = torch.ops.specserve_q.layers(
-                x, cos, sin, *self.stack, [ch.cache.k for ch in chunks], [ch.cache.v for ch in chunks],
-                *zip(*[(p.offset, p.n, p.start, p.tree_start, p.visible) for p in plans]),
+                x, cos, sin, *self.stack, [ch.cache.k for ch, _ in parts], [ch.cache.v for ch, _ in parts],
+                *zip(*[(p.offset, p.n, p.start, p.tree_start, p.visible) for _, p in parts]),
                 c.num_heads, c.num_kv_heads, c.rms_norm_eps, sorted(set(layers)))
         else:
-            x, captured = self._layers(x, cos, sin, chunks, plans, kernel_parents, layers)
-        for ch, plan in zip(chunks, plans):
+            x, captured = self._layers(x, cos, sin, parts, kernel_parents, layers)
+        for ch, plan in parts:  # a chunk's last part ends it
             ch.cache.length = plan.start + plan.n
         if logit_rows:
             rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)

@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from services.common.qmatmul import BlockWeight
+from services.common.qmatmul import BlockWeight, TileWeight
 from services.common.quant import Int4Weight
 
 # The row count oneDNN's blocked layout is tuned for (a typical verify step of a small batch).
@@ -41,7 +41,7 @@ class Weight(NamedTuple):
 
     dense: torch.Tensor | None
     packed: torch.Tensor | None
-    native: BlockWeight | Int4Weight | None = None
+    native: TileWeight | BlockWeight | Int4Weight | None = None
 
     def nbytes(self) -> int:
         if self.native is not None:

@@ -1,10 +1,14 @@
-"""The native matmul on a GGUF file's own blocks, in float32 (`qmatmul.cpp`).
+"""The native matmuls on a GGUF file's own blocks (`qmatmul.cpp`, `q8matmul.cpp`).
 
-Each block is decoded to exactly the float32 weights of the dequantized model and multiplied
-into float32 accumulators, so the only difference from float32 weights is the order of a sum;
-torch's int4 route (`services.common.quant`) instead rounds activations to bfloat16. A row's
-result does not depend on the other rows of the call (the kernel's comment says why). Built with
-the other CPU kernels (`services.common.cpu_kernels`).
+`BlockWeight` (any of Q4_0, Q4_1, Q8_0): each block is decoded to exactly the float32 weights of
+the dequantized model and multiplied into float32 accumulators, so the only difference from
+float32 weights is the order of a sum. `TileWeight` (Q4_0, Q4_1; the served route for them):
+the blocks repacked 16 outputs to a tile, multiplied by activations rounded to int8 per block of
+32 in exact integer sums, as llama.cpp does: 2 to 3 times faster (BENCHMARKS.md), at the
+accuracy tests/unit/test_native_weights.py bounds. torch's int4 route (`services.common.quant`)
+rounds activations to bfloat16. On each, a row's result does not depend on the other rows of the
+call (the kernels' comments say why). Built with the other CPU kernels
+(`services.common.cpu_kernels`).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from services.common import cpu_kernels
 from services.common.gguf_blocks import BlockTensor
 
 KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}  # the kernel's block kinds
+TILES = 3  # layers.cpp's kind for a TileWeight's tiles (q8matmul.cpp)
 
 
 @dataclass
@@ -43,3 +48,46 @@ class BlockWeight:
 
 def supports(block: BlockTensor) -> bool:
     return block.kind in KINDS and cpu_kernels.available()
+
+
+TILE = 16  # outputs per tile of q8matmul.cpp
+
+
+@dataclass
+class TileWeight:
+    """A 4-bit linear weight [out, in] repacked for `q8matmul.cpp`: `tiles` [out / 16, blocks *
+    320] uint8, per tile and block the 16 outputs' nibbles interleaved by 4 inputs, then their
+    scales d and offsets m in float16 (a weight is q * d + m)."""
+
+    tiles: torch.Tensor
+    shape: tuple[int, int]
+
+    rounds_activations = True  # to int8 per block of 32
+
+    def nbytes(self) -> int:
+        return self.tiles.numel()
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [rows, in] @ w.T (+ bias) -> [rows, out] in x's dtype."""
+        y = torch.ops.specserve_q.q8matmul(x.float().contiguous(), self.tiles).to(x.dtype)
+        return y if bias is None else y + bias
+
+
+def pack_tiles(block: BlockTensor) -> TileWeight:
+    """A Q4_0 or Q4_1 weight in q8matmul.cpp's tiles (the same bytes as the file's blocks)."""
+    out, k = block.shape
+    q, scale, low = block.decode()  # q [out, in] (Q4_0's already less 8), scale, low [out, blocks]
+    if low is None:  # Q4_0: (q - 8) d = q d + m with m = -8 d
+        q, low = q + 8, -8 * scale
+    blocks = k // 32
+    # q[16 g + j, 32 b + 16 h + 4 t + i] -> [g, b, t, j, i] with h (low, high nibble) combined
+    q = q.to(torch.uint8).view(out // TILE, TILE, blocks, 2, 4, 4).permute(0, 2, 3, 4, 1, 5)
+    nibbles = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(out // TILE, blocks, 256)
+    halves = [v.half().view(out // TILE, TILE, blocks).transpose(1, 2).contiguous().view(torch.uint8)
+              for v in (scale, low)]  # [g, b, 32] each
+    tiles = torch.cat([nibbles, *halves], dim=-1).reshape(out // TILE, blocks * 320)
+    return TileWeight(tiles.contiguous(), (out, k))
+
+
+def supports_tiles(block: BlockTensor) -> bool:
+    return block.kind in ("Q4_0", "Q4_1") and block.shape[0] % TILE == 0 and cpu_kernels.available()

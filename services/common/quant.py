@@ -1,8 +1,10 @@
 """Linear layers on a GGUF file's own quantized blocks: the route for a block, and torch's int4 one.
 
-`native_weight` takes the float32 kernel of `services.common.qmatmul` where it builds on this
-machine, torch's int4 CPU matmul (below) where it does not; `SPECSERVE_NATIVE_MATMUL=int4`
-forces the latter (comparisons). Both hold the weights at the file's size.
+`native_weight` takes the CPU kernels of `services.common.qmatmul` where they build on this
+machine: integer dot products on int8-rounded activations for 4-bit weights (`TileWeight`), the
+float32 block kernel for Q8_0 (`BlockWeight`); torch's int4 CPU matmul (below) where they do
+not. `SPECSERVE_NATIVE_MATMUL=float` keeps every weight on the float32 kernel, `int4` forces
+torch's route (comparisons). All hold the weights at the file's size.
 
 torch's `_weight_int4pack_mm_for_cpu` computes x @ w.T with w = (q - 8) * scale + zero per group
 of 32 inputs, q in 0..15: exactly the form of GGUF's 32-value blocks. Q4_0 (value (q - 8) * d) is
@@ -26,7 +28,8 @@ from services.common import qmatmul
 from services.common.gguf_blocks import BLOCK, BlockTensor
 
 INNER_K_TILES = 2  # the CPU layout's k tiling (inputs a multiple of 64)
-ROUTE_ENV = "SPECSERVE_NATIVE_MATMUL"  # auto (default) or int4
+ROUTE_ENV = "SPECSERVE_NATIVE_MATMUL"  # auto (default), float or int4
+ROUTES = ("auto", "float", "int4")
 
 
 @dataclass
@@ -86,11 +89,13 @@ def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None
     return y if bias is None else y + bias
 
 
-def native_weight(block: BlockTensor) -> "qmatmul.BlockWeight | Int4Weight | None":
-    """The weight as a native route runs it, or None where neither takes it (dequantize then)."""
+def native_weight(block: BlockTensor) -> "qmatmul.TileWeight | qmatmul.BlockWeight | Int4Weight | None":
+    """The weight as a native route runs it, or None where none takes it (dequantize then)."""
     route = os.environ.get(ROUTE_ENV, "auto").strip() or "auto"
-    if route not in ("auto", "int4"):
-        raise ValueError(f"{ROUTE_ENV} must be auto or int4, not {route!r}")
-    if route == "auto" and qmatmul.supports(block):
+    if route not in ROUTES:
+        raise ValueError(f"{ROUTE_ENV} must be one of {', '.join(ROUTES)}, not {route!r}")
+    if route == "auto" and qmatmul.supports_tiles(block):
+        return qmatmul.pack_tiles(block)
+    if route != "int4" and qmatmul.supports(block):
         return qmatmul.BlockWeight(block)
     return pack(block) if supports(block) else None

@@ -3,10 +3,12 @@ and lossless speculation on them (greedy identity against plain decoding on the 
 and the sampling distribution).
 
 Bounds on the default target's logits (absolute; they reach about 30-40) against the float32
-dequantized model's, for 1 to 64 rows of one forward: the block kernel (float32 activations, the
-served route where it builds) stays within BLOCK_KERNEL_BOUND, only the order of its sums
-differing; torch's int4 route (bfloat16 activations, scales and products; the fallback) within
-INT4_BOUND.
+dequantized model's, for 1 to 64 rows of one forward: the float block kernel (float32
+activations; the LM head's route, and the layers' with SPECSERVE_NATIVE_MATMUL=float) stays
+within BLOCK_KERNEL_BOUND, only the order of its sums differing; the routes that round
+activations stay within ROUNDED_BOUND: the served one for 4-bit layers (int8 activations per
+block of 32, integer dot products) and torch's int4 route (bfloat16 activations, scales and
+products; the fallback).
 """
 
 import os
@@ -33,7 +35,7 @@ from services.scheduler.engine import Engine
 from tests import tiny
 from tests.unit import test_distribution as dist
 
-INT4_BOUND = 1.5
+ROUNDED_BOUND = 1.5
 BLOCK_KERNEL_BOUND = 1e-3
 needs_kernel = pytest.mark.skipif(not cpu_kernels.available(), reason="the CPU kernels do not build "
                                   "here (no g++, or a CPU without AVX2/FMA/F16C); the log says which")
@@ -74,6 +76,44 @@ def test_the_block_kernel_multiplies_by_the_dequantized_weights_in_float32(kind)
     assert all(torch.equal(native.linear(x[i : i + 1]), y[i : i + 1]) for i in (0, 17, 36))
     for part in (slice(3, 11), slice(4, 7), slice(0, 7)):  # 8, 3 and 7 rows: other tilings
         assert torch.equal(native.linear(x[part]), y[part])
+
+
+def _int8_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [rows, in] as q8matmul.cpp rounds it: int8 per block of 32, scale max|x| / 127."""
+    xb = x.view(x.shape[0], -1, 32)
+    d = xb.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    return ((xb * inv).round() * d).flatten(1)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+def test_the_tile_kernel_multiplies_int8_rows_by_the_dequantized_weights(kind):
+    """q8matmul.cpp: exact integer sums of int8 activations (rounded per block) and the 4-bit
+    weights, so float64 arithmetic on the same rounded rows is the reference."""
+    torch.manual_seed(0)
+    w = torch.randn(96, 160) * 0.05
+    block = BlockTensor(kind, torch.from_numpy(quantize(w.numpy(), gguf.GGMLQuantizationType[kind])))
+    native = qmatmul.pack_tiles(block)
+    assert native.nbytes() == 96 * 5 * 20 and native.shape == (96, 160)  # 20 bytes a block, as Q4_1
+    x = torch.randn(37, 160)
+    x[5, :32] = 0  # an all-zero block: scale 0, not a division by zero
+    y, ref = native.linear(x), _int8_rows(x).double() @ block.dequantize().double().T
+    assert y.dtype == torch.float32 and y.shape == (37, 96)
+    assert float((y - ref).abs().max() / ref.abs().max()) < 1e-6
+    assert float((y - x @ block.dequantize().T).abs().max() / ref.abs().max()) > 1e-4  # it rounds
+    assert all(torch.equal(native.linear(x[i : i + 1]), y[i : i + 1]) for i in (0, 17, 36))
+    for part in (slice(3, 11), slice(4, 7), slice(0, 7), slice(0, 33)):  # other row tilings
+        assert torch.equal(native.linear(x[part]), y[part])
+
+
+@needs_kernel
+def test_the_tile_kernel_names_what_is_wrong_with_its_inputs():
+    tiles = qmatmul.pack_tiles(BlockTensor("Q4_1", torch.zeros(16, 2 * 20, dtype=torch.uint8))).tiles
+    with pytest.raises(RuntimeError, match="x has 32 inputs, the tiles hold 640 bytes"):
+        torch.ops.specserve_q.q8matmul(torch.zeros(1, 32), tiles)
+    assert not qmatmul.supports_tiles(BlockTensor("Q4_1", torch.zeros(8, 20, dtype=torch.uint8)))
+    assert not qmatmul.supports_tiles(BlockTensor("Q8_0", torch.zeros(16, 34, dtype=torch.uint8)))
 
 
 @needs_kernel
@@ -135,19 +175,20 @@ def test_the_default_models_blocks_are_its_dequantized_weights(default_native):
         assert torch.equal(block.dequantize(), dense[name]), name
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 16, 64])
-def test_native_logits_stay_within_the_bound_of_float32(default_native, default_model, rows):
-    f32 = default_model
+@pytest.mark.parametrize("route, rows", [("served", r) for r in (1, 2, 5, 16, 64)] + [("float", 1), ("float", 64)])
+def test_native_logits_stay_within_the_bound_of_float32(request, default_model, route, rows):
+    native = request.getfixturevalue("default_native" if route == "served" else "default_native_float")
     text = "Speculative decoding verifies a whole draft of tokens in one forward pass of the target model. " * 8
-    ids = default_native.tokenizer(text)["input_ids"][:16 + rows]
+    ids = native.tokenizer(text)["input_ids"][:16 + rows]
     out = []
-    for lm in (default_native.model, f32.model):
+    for lm in (native.model, default_model.model):
         cache = lm.new_cache(128)
         lm.forward([Chunk(cache, ids[:16], list(range(-1, 15)), 16)])  # a cached prefix
         out.append(lm.forward([Chunk(cache, ids[16:], list(range(-1, rows - 1)), 0)])[0])
     assert out[0].shape == (rows, 49152)
-    rounds = default_native.model.lm_head.native.rounds_activations
-    assert float((out[0] - out[1]).abs().max()) < (INT4_BOUND if rounds else BLOCK_KERNEL_BOUND)
+    rounds = any(w.native.rounds_activations for w in native.model.linear_weights())
+    assert rounds == (route == "served")
+    assert float((out[0] - out[1]).abs().max()) < (ROUNDED_BOUND if rounds else BLOCK_KERNEL_BOUND)
 
 
 def _prefixed(model, ids, chunk_tokens, parents, states=()):

@@ -1,0 +1,212 @@
+// x @ w.T on 4-bit blocks with integer dot products, as llama.cpp multiplies them: each row of x
+// is rounded to int8 per block of 32 values (one float scale per block), and every weight block
+// meets it in 32-bit integer sums (AVX-512 VNNI where the CPU has it, else pairs of multiply-add
+// instructions), scaled into float32 once per block.
+//
+// The weights are repacked at load (services/common/qmatmul.py, `pack_tiles`) into tiles of 16
+// outputs, so that a vector's lanes are 16 outputs and not 16 inputs: one tile-block holds, for
+// t = 0..3, the 4-byte groups q[o][4t..4t+3] of the 16 outputs in a 64-byte vector (low nibbles;
+// the high nibbles hold q[o][16+4t..16+4t+3]), then the 16 scales d and the 16 offsets m as
+// float16: 320 bytes, the size of the file's 16 blocks. A weight is q * d + m (Q4_0 packs with
+// m = -8 d). So a row's 4 activations broadcast to every lane, and the sums need no horizontal
+// reduction at the end.
+//
+// The integer sums are exact, and each (row, output) then runs the same float instructions in
+// block order whatever the row count or tile: a row's outputs do not depend on the other rows of
+// the call, so plain decoding and a verify tree agree bitwise.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "cpu_ops.h"
+
+namespace {
+
+constexpr int kBlock = 32;
+constexpr int kTile = 16;                  // outputs per tile
+constexpr int kTileBytes = 256 + 32 + 32;  // nibbles, d and m of 16 blocks
+
+#if defined(__AVX512BW__)
+using IVec = __m512i;
+using FVec = __m512;
+constexpr int kLanes = 16;
+inline IVec iload(const uint8_t* p) { return _mm512_loadu_si512(p); }
+inline IVec ilow(IVec v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
+inline IVec ihigh(IVec v) { return ilow(_mm512_srli_epi16(v, 4)); }
+inline IVec izero() { return _mm512_setzero_si512(); }
+inline IVec ibcast(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+inline IVec iadd(IVec a, IVec b) { return _mm512_add_epi32(a, b); }
+// s + the sums of 4 unsigned-by-signed byte products per 32-bit lane (exact: |q x| <= 15 * 127)
+inline IVec dot4(IVec s, IVec w, IVec x) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpbusd_epi32(s, w, x);
+#else
+  return _mm512_add_epi32(s, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), _mm512_set1_epi16(1)));
+#endif
+}
+inline FVec hload(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline FVec tofloat(IVec a) { return _mm512_cvtepi32_ps(a); }
+inline FVec fzero() { return _mm512_setzero_ps(); }
+inline FVec fset1(float x) { return _mm512_set1_ps(x); }
+inline FVec fmul(FVec a, FVec b) { return _mm512_mul_ps(a, b); }
+inline FVec ffma(FVec a, FVec b, FVec c) { return _mm512_fmadd_ps(a, b, c); }
+inline void fstore(float* p, FVec a) { _mm512_storeu_ps(p, a); }
+constexpr int kMaxRows = 8;
+#else
+using IVec = __m256i;
+using FVec = __m256;
+constexpr int kLanes = 8;
+inline IVec iload(const uint8_t* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+inline IVec ilow(IVec v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
+inline IVec ihigh(IVec v) { return ilow(_mm256_srli_epi16(v, 4)); }
+inline IVec izero() { return _mm256_setzero_si256(); }
+inline IVec ibcast(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+inline IVec iadd(IVec a, IVec b) { return _mm256_add_epi32(a, b); }
+inline IVec dot4(IVec s, IVec w, IVec x) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(s, w, x);
+#else
+  return _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+#endif
+}
+inline FVec hload(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline FVec tofloat(IVec a) { return _mm256_cvtepi32_ps(a); }
+inline FVec fzero() { return _mm256_setzero_ps(); }
+inline FVec fset1(float x) { return _mm256_set1_ps(x); }
+inline FVec fmul(FVec a, FVec b) { return _mm256_mul_ps(a, b); }
+inline FVec ffma(FVec a, FVec b, FVec c) { return _mm256_fmadd_ps(a, b, c); }
+inline void fstore(float* p, FVec a) { _mm256_storeu_ps(p, a); }
+constexpr int kMaxRows = 4;
+#endif
+constexpr int kParts = kTile / kLanes;  // vectors per tile row: 1 (AVX-512) or 2 (AVX2)
+
+// A row of x as int8 blocks: q [in], and per block its scale d and d * sum(q) (for m's term).
+struct Rows {
+  const int8_t* q;
+  const float* scales;  // [rows, blocks, 2]
+  int64_t in, blocks;
+};
+
+// y[r, 16 outputs of one tile] for NR rows.
+template <int NR>
+void tile(const Rows& x, const uint8_t* w, float* y, int64_t ldy) {
+  FVec acc[NR][kParts];
+  for (int r = 0; r < NR; ++r)
+    for (int h = 0; h < kParts; ++h) acc[r][h] = fzero();
+  for (int64_t b = 0; b < x.blocks; ++b) {
+    const uint8_t* p = w + b * kTileBytes;
+    for (int h = 0; h < kParts; ++h) {  // lanes h * kLanes .. of the 16 outputs
+      IVec lo[4], hi[4];
+      for (int t = 0; t < 4; ++t) {
+        const IVec v = iload(p + 64 * t + 4 * kLanes * h);
+        lo[t] = ilow(v);
+        hi[t] = ihigh(v);
+      }
+      const FVec d = hload(p + 256 + 2 * kLanes * h), m = hload(p + 288 + 2 * kLanes * h);
+      for (int r = 0; r < NR; ++r) {
+        const int8_t* q = x.q + r * x.in + b * kBlock;
+        IVec s0 = izero(), s1 = izero();
+        for (int t = 0; t < 4; ++t) {
+          s0 = dot4(s0, lo[t], ibcast(q + 4 * t));
+          s1 = dot4(s1, hi[t], ibcast(q + 16 + 4 * t));
+        }
+        const float* sc = x.scales + (r * x.blocks + b) * 2;
+        acc[r][h] = ffma(tofloat(iadd(s0, s1)), fmul(d, fset1(sc[0])), acc[r][h]);
+        acc[r][h] = ffma(m, fset1(sc[1]), acc[r][h]);
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int h = 0; h < kParts; ++h) fstore(y + r * ldy + h * kLanes, acc[r][h]);
+}
+
+// Tiles [t0, t1) for `rows` rows starting at x: NR rows per pass, the rest in one pass of fewer.
+template <int NR = kMaxRows>
+void rows_pass(const Rows& x, int64_t rows, const uint8_t* w, int64_t ldt, float* y, int64_t n,
+               int64_t t0, int64_t t1) {
+  if constexpr (NR > 1) {
+    if (rows < NR) return rows_pass<NR - 1>(x, rows, w, ldt, y, n, t0, t1);
+  }
+  for (int64_t t = t0; t < t1; ++t) tile<NR>(x, w + t * ldt, y + t * kTile, n);
+}
+
+// Row r of x [rows, in] as int8 per block of 32: scale d = max|x| / 127, q = round(x / d) (to
+// nearest even), and d * sum(q).
+void quantize_row(const float* x, int64_t in, int8_t* q, float* scales) {
+  for (int64_t b = 0; b < in / kBlock; ++b) {
+    const float* xb = x + b * kBlock;
+    float amax = 0.0f;
+    for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::abs(xb[i]));
+    const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+    int32_t sum = 0;
+    for (int i = 0; i < kBlock; ++i) {
+      const int32_t v = static_cast<int32_t>(__builtin_nearbyintf(xb[i] * inv));
+      q[b * kBlock + i] = static_cast<int8_t>(v);
+      sum += v;
+    }
+    scales[2 * b] = d;
+    scales[2 * b + 1] = d * static_cast<float>(sum);
+  }
+}
+
+constexpr int64_t kRowSlab = 32;  // rows that stay in cache while a thread walks its tiles
+
+}  // namespace
+
+at::Tensor specserve::q8matmul(const at::Tensor& x, const at::Tensor& tiles) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "q8matmul: x must be a contiguous float32 [rows, in]");
+  TORCH_CHECK(tiles.dim() == 2 && tiles.scalar_type() == at::kByte && tiles.is_contiguous(),
+              "q8matmul: tiles must be contiguous uint8 [out / 16, blocks * 320]");
+  const int64_t rows = x.size(0), in = x.size(1), ntiles = tiles.size(0), ldt = tiles.size(1);
+  TORCH_CHECK(in % kBlock == 0 && ldt == in / kBlock * kTileBytes,
+              "q8matmul: x has ", in, " inputs, the tiles hold ", ldt, " bytes per 16 outputs");
+  const int64_t n = ntiles * kTile, blocks = in / kBlock;
+  std::vector<int8_t> q(rows * in);
+  std::vector<float> scales(rows * blocks * 2);
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      quantize_row(xp + r * in, in, q.data() + r * in, scales.data() + r * blocks * 2);
+  });
+  at::Tensor y = at::empty({rows, n}, x.options());
+  float* yp = y.data_ptr<float>();
+  const uint8_t* wp = tiles.data_ptr<uint8_t>();
+  at::parallel_for(0, ntiles, 4, [&](int64_t t0, int64_t t1) {
+    for (int64_t r = 0; r < rows; r += kRowSlab) {
+      const int64_t slab = std::min(kRowSlab, rows - r);
+      for (int64_t s = 0; s < slab; s += kMaxRows) {
+        const Rows part{q.data() + (r + s) * in, scales.data() + (r + s) * blocks * 2, in, blocks};
+        const int64_t nr = std::min<int64_t>(kMaxRows, slab - s);
+        rows_pass(part, nr, wp, ldt, yp + (r + s) * n, n, t0, t1);
+      }
+    }
+  });
+  return y;
+}
+
+TORCH_LIBRARY_FRAGMENT(specserve_q, m) {
+  m.def("q8matmul(Tensor x, Tensor tiles) -> Tensor", &specserve::q8matmul);
+}
