@@ -140,7 +140,9 @@ class Stack:
             proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log,
                                     stderr=subprocess.STDOUT, preexec_fn=_in_own_group_dying_with_us)
         self.procs[name] = proc
-        (self.run_dir / f"{name}.pid").write_text(f"{proc.pid}\n")
+        partial = self.run_dir / f"{name}.pid.tmp"  # renamed whole: a reader never sees it empty
+        partial.write_text(f"{proc.pid}\n")
+        partial.replace(self.run_dir / f"{name}.pid")
 
     def restart(self, name: str) -> None:
         _signal_group(self.procs[name], signal.SIGKILL)  # whatever the dead one left in its group

@@ -1,8 +1,9 @@
 """The project's CPU kernels: built for this machine, then loaded.
 
-`qmatmul.cpp` (the block matmul), `rowwise.cpp` (RMSNorm, RoPE, silu * up), `attention.cpp` (few
-rows over their KV caches) and `layers.cpp` (a native model's decoder stack through all of them,
-in one call); `simd.h` and `cpu_ops.h` are shared. The sources compile once per machine into one
+`qmatmul.cpp` (the float32 block matmul), `q8matmul.cpp` (4-bit tiles by int8 rows), `rowwise.cpp`
+(RMSNorm, RoPE, silu * up), `attention.cpp` (the rows that yield tokens, over their KV caches) and
+`layers.cpp` (a native model's decoder stack through all of them, in one call); `simd.h` and
+`cpu_ops.h` are shared. The sources compile once per machine into one
 library (g++ -march=native: the matmul needs AVX2, FMA and F16C; OpenMP through torch's own
 runtime, so its threads are torch's) against the installed torch, under `$SPECSERVE_HOME/build/`
 with a name keyed by the sources, torch's version and the CPU's flags. `make setup` builds it, a

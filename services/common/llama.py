@@ -17,12 +17,12 @@ import torch
 import torch.nn.functional as F
 
 from services.common import quant
-from services.common.quant import Int4Weight
 from services.common.gguf_blocks import BlockTensor
 from services.common.kv_cache import KVCache
 from services.common.matmul import Matmul, Weight
 from services.common.model_config import ModelConfig
 from services.common.qmatmul import KINDS, TILES, BlockWeight, TileWeight
+from services.common.quant import Int4Weight
 from services.common.tree import ancestor_mask, forest_depths
 
 
@@ -132,10 +132,10 @@ class LlamaModel:
         # float32 results agree bitwise, so plain decoding and verification see the same logits.
         rounds = any(isinstance(w.native, Int4Weight) for w in self.linear_weights())
         self.attention_dtype = torch.float64 if rounds else dtype
-        # On the block kernel, the norms, RoPE, silu * up and the attention of few rows also take
-        # the CPU kernels' one-call versions, and a forward of few rows runs the whole stack in
-        # one call (layers.cpp); a float32 model keeps torch's ops: its greedy output is compared
-        # with transformers'.
+        # On the CPU kernels' matmuls, the norms, RoPE, silu * up and the attention of the rows
+        # that yield tokens also take their one-call versions, and a forward without prompt rows
+        # runs the whole stack in one call (layers.cpp); a float32 model keeps torch's ops: its
+        # greedy output is compared with transformers'.
         self.rowwise = any(isinstance(w.native, (BlockWeight, TileWeight)) for w in self.linear_weights())
         self.attend_cpu = self.rowwise and dtype == torch.float32 and c.head_dim % 32 == 0
         self.silu_mul = self.rowwise and c.intermediate_size % 16 == 0

@@ -98,7 +98,17 @@ class Launcher:
             time.sleep(0.2)
 
     def pids(self) -> dict[str, int]:
-        return {p.stem: int(p.read_text()) for p in self.run_dir.glob("*.pid")}
+        """The launcher's pid files (it writes each whole, by rename; one removed after the glob
+        is skipped, as is anything not a pid)."""
+        out = {}
+        for p in self.run_dir.glob("*.pid"):
+            try:
+                text = p.read_text().strip()
+            except FileNotFoundError:
+                continue
+            if text.isdigit():
+                out[p.stem] = int(text)
+        return out
 
     def cleanup(self) -> None:
         """If a test failed halfway: stop the launcher, then anything it left (by pid)."""
