@@ -21,6 +21,7 @@ import os
 import platform
 import sys
 import time
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -34,7 +35,8 @@ from services.common.machine import cpu_model  # noqa: E402
 from services.common.vocab import vocabulary_digest  # noqa: E402
 from services.draft.feature_head import FeatureHead, HeadConfig, init_from_head, init_from_target  # noqa: E402
 from services.draft.slim import kept_ids  # noqa: E402
-from services.draft.training import feature_data, head_trainer  # noqa: E402
+from services.common.prompt import encode_prompt  # noqa: E402
+from services.draft.training import feature_data, head_trainer, hf_teacher, teacher  # noqa: E402
 
 log = logging.getLogger("train_head")
 
@@ -66,6 +68,16 @@ def parse_args(argv=None):
                    help="answers held out for the card's metrics (the first ones, whatever the cache holds)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1), help="torch threads")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="where the teacher runs and the head trains")
+    p.add_argument("--teacher", default="", choices=("", "engine", "hf"),
+                   help="engine: this engine's batched decoding, cached and resumable (the default on cpu); "
+                        "hf: transformers' generate, two stages, uncached (the default on cuda)")
+    p.add_argument("--passage-fraction", type=float, default=0.0,
+                   help="hf teacher: this fraction of --prompts are tasks over the first stage's answers")
+    p.add_argument("--ablation", default="", help="also train on these data fractions (e.g. 0.25,0.5): metrics only")
+    p.add_argument("--eval-questions", default="",
+                   help="Spec-Bench JSONL: held-out metrics on its first question per category too (never trained on)")
     return p.parse_args(argv)
 
 
@@ -75,10 +87,14 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     started = time.monotonic()
-    target = load_model(args.target)
+    args.teacher = args.teacher or ("hf" if args.device == "cuda" else "engine")
+    target = load_model(args.target, weights=args.teacher == "engine" or (args.device == "cpu" and bool(args.eval_questions)))
     plan = feature_data.TeacherPlan(tuple(int(x) for x in args.layers.split(",")), args.prompts, args.tokens,
                                     args.max_tokens, args.sampled_fraction, args.teacher_batch, args.seed)
-    samples, seconds = feature_data.build(target, Path(args.work), plan, args.teacher_minutes)
+    if args.teacher == "hf":
+        samples, seconds = feature_data.build_hf(target, plan, args.device, args.passage_fraction)
+    else:
+        samples, seconds = feature_data.build(target, Path(args.work), plan, args.teacher_minutes)
     log.info("teacher data: %d answers, %d answer tokens, %.0f s of teacher time (%.1f min in all)",
              len(samples), feature_data.answer_tokens(samples), seconds, (time.monotonic() - started) / 60)
     if args.teacher_only:
@@ -103,32 +119,68 @@ def train_head(args, target, samples) -> dict:
         counts, args.compression_ratio, target.config.vocab_size, target.config.eos_token_ids)
     t2d = torch.full((target.config.vocab_size,), -1, dtype=torch.long)
     t2d[kept] = torch.arange(len(kept))
-    held_out, train_set = samples[: args.held_out], samples[args.held_out :]
-    train_set = train_set[: max(1, round(args.data_fraction * len(train_set)))]
+    held_out, rest = samples[: args.held_out], samples[args.held_out :]
     layers = tuple(int(x) for x in args.layers.split(","))
     config = HeadConfig.for_target(target.config, layers, len(kept), args.target, vocabulary_digest(target.tokenizer))
-    head = FeatureHead(config)
-    init_from_target(head, weights, target.config.num_layers, kept)
-    if trained is not None:
-        init_from_head(head, trained)
-    embed = weights["model.embed_tokens.weight"].float()
+    embed = weights["model.embed_tokens.weight"].float().to(args.device)
     plan = head_trainer.TrainPlan(args.steps, args.unroll, args.lr, args.batch_tokens, args.seed,
-                                  minutes=args.train_minutes)
-    before = head_trainer.evaluate(head, embed, held_out, t2d, plan)
-    log.info("held out before training: %s", before)
-    key = f"{len(train_set)}-{args.compression_ratio}-{args.unroll}-{args.steps}-{args.lr}-{args.seed}"
-    key += "-from-" + Path(args.init).name if args.init else ""
-    result = head_trainer.train(head, embed, train_set, t2d, plan, Path(args.work) / f"train-{key}.pt")
-    after = head_trainer.evaluate(head, embed, held_out, t2d, plan)
-    log.info("held out after training: %s", after)
-    head.save(Path(args.out))
+                                  minutes=args.train_minutes, device=args.device)
+    dev = dev_samples(args, target, layers) if args.eval_questions else []
+
+    def fresh() -> FeatureHead:
+        head = FeatureHead(config)
+        init_from_target(head, weights, target.config.num_layers, kept)
+        if trained is not None:
+            init_from_head(head, trained)
+        return head.to(args.device)
+
+    def run(fraction: float) -> tuple[FeatureHead, list, dict]:
+        train_set = rest[: max(1, round(fraction * len(rest)))]
+        key = f"{len(train_set)}-{args.compression_ratio}-{args.unroll}-{args.steps}-{args.lr}-{args.seed}"
+        key += "-from-" + Path(args.init).name if args.init else ""
+        head = fresh()
+        result = head_trainer.train(head, embed, train_set, t2d, plan, Path(args.work) / f"train-{key}.pt")
+        metrics = {"fraction": fraction, "answers": len(train_set), "steps": result["steps"],
+                   "answer_tokens": feature_data.answer_tokens(train_set),
+                   "held_out": head_trainer.evaluate(head, embed, held_out, t2d, plan),
+                   "dev": head_trainer.evaluate(head, embed, dev, t2d, plan) if dev else []}
+        log.info("trained on %.2f of the data: %s", fraction, metrics)
+        return head, train_set, {**metrics, "seconds": result["seconds"], "history": result["history"]}
+
+    Path(args.work).mkdir(parents=True, exist_ok=True)
+    before = head_trainer.evaluate(fresh(), embed, held_out, t2d, plan)
+    head, train_set, result = run(args.data_fraction)
+    head.save(Path(args.out))  # before the ablation, which only adds metrics
+    plan = replace(plan, steps=result["steps"], minutes=1e9)  # the ablation: the same steps and schedule
+    ablation = [run(float(f))[2] for f in args.ablation.split(",") if f]
+    for a in ablation:
+        a.pop("history")
     coverage = float(counts[kept.numpy()].sum() / max(1, counts.sum()))
     return {"layers": list(layers), "draft_vocab": len(kept), "compression_ratio": args.compression_ratio,
             "coverage": coverage, "answers": len(samples), "train_answers": len(train_set),
-            "answer_tokens": feature_data.answer_tokens(train_set), "held_out_answers": len(held_out),
-            "init": args.init, "unroll": args.unroll, "steps": result["steps"], "lr": args.lr, "batch_tokens": args.batch_tokens,
-            "train_seconds": result["seconds"], "before": before, "after": after, "history": result["history"],
+            "answer_tokens": result["answer_tokens"], "held_out_answers": len(held_out),
+            "init": args.init, "unroll": args.unroll, "steps": result["steps"], "lr": args.lr,
+            "batch_tokens": args.batch_tokens, "train_seconds": result["seconds"], "before": before,
+            "after": result["held_out"], "dev": result["dev"], "ablation": ablation, "history": result["history"],
+            "device": args.device, "passage_fraction": args.passage_fraction,
             "bytes": sum(f.stat().st_size for f in Path(args.out).iterdir() if f.is_file())}
+
+
+def dev_samples(args, target, layers) -> list:
+    """The target's greedy answers (128 tokens) to the first question of each category of
+    --eval-questions, with their states: metrics only, never trained on."""
+    questions, seen = [], set()
+    for line in Path(args.eval_questions).read_text().splitlines():
+        q = json.loads(line)
+        if q["category"] not in seen:
+            seen.add(q["category"])
+            questions.append(q["turns"][0])
+    encoded = [encode_prompt(target.tokenizer, q, chat=True) for q in questions]
+    eos = target.config.eos_token_ids
+    if target.model is None:
+        model = hf_teacher.load(target.path, args.device)
+        return hf_teacher.generate(model, encoded, [0.0] * len(encoded), eos, 128, state_layers=layers, pad_id=eos[0])
+    return teacher.generate(target.model, encoded, [0.0] * len(encoded), eos, 128, state_layers=layers)
 
 
 def write_card(out: Path, info: dict) -> None:
@@ -162,6 +214,17 @@ An EAGLE-3-style head (services/draft/feature_head.py): the target's states afte
 - Size: {info['bytes'] / 1e6:.1f} MB (bfloat16). Machine: {info['machine']}; {info['threads']} torch threads;
   built {info['date']}; {info['total_seconds'] / 60:.1f} min in all.
 """
+    if info.get("dev"):
+        text += "\n- On the first Spec-Bench dev question of each category (greedy answers, 128 tokens; never trained on), top-1 / accept per depth: "
+        text += ", ".join(f"{m['top1']:.3f} / {m['accept']:.3f}" for m in info["dev"]) + ".\n"
+    if info.get("ablation"):
+        text += "\n## Data size (same steps and schedule; held-out and dev top-1 at depths 1 and 4)\n\n"
+        text += "| data | answers | answer tokens | held-out d1 | held-out d4 | dev d1 | dev d4 |\n|---|---|---|---|---|---|---|\n"
+        for a in info["ablation"] + [{"fraction": 1.0, "answers": info["train_answers"], "answer_tokens": info["answer_tokens"],
+                                       "held_out": info["after"], "dev": info.get("dev", [])}]:
+            dev = f"{a['dev'][0]['top1']:.3f} | {a['dev'][-1]['top1']:.3f}" if a["dev"] else "- | -"
+            text += (f"| {a['fraction']:g} | {a['answers']} | {a['answer_tokens']} | {a['held_out'][0]['top1']:.3f} | "
+                     f"{a['held_out'][-1]['top1']:.3f} | {dev} |\n")
     (out / "card.md").write_text(text)
     (out / "train-info.json").write_text(json.dumps(info, indent=1))
 

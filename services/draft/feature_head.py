@@ -158,7 +158,7 @@ class FeatureHead(nn.Module):
         from safetensors.torch import save_file
 
         out.mkdir(parents=True, exist_ok=True)
-        tensors = {k: v.detach().to(torch.bfloat16 if v.is_floating_point() else v.dtype).contiguous()
+        tensors = {k: v.detach().cpu().to(torch.bfloat16 if v.is_floating_point() else v.dtype).contiguous()
                    for k, v in self.state_dict().items()}
         save_file(tensors, str(out / WEIGHTS_NAME))
         (out / CONFIG_NAME).write_text(json.dumps(asdict(self.config), indent=1))

@@ -234,3 +234,45 @@ def test_states_of_skipped_steps_are_joined_into_runs():
     runs = join(parts)
     assert [(r.start, r.rows) for r in runs] == [(0, 5), (7, 2)]
     assert torch.equal(runs[0].data, rows[0:5]) and torch.equal(runs[1].data, rows[7:9])
+
+
+def test_the_gpu_teacher_records_what_the_engine_teacher_records(target):
+    """hf_teacher (transformers' generate, for CUDA machines) makes the same Samples as the
+    engine's teacher: the same greedy answers, states and top-k, position for position."""
+    from services.draft.training import hf_teacher
+
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 64, (n,), generator=gen).tolist() for n in (5, 9, 7)]
+    ours = teacher.generate(target.model, prompts, [0.0] * 3, (), 12, top_k=8, batch=3, state_layers=LAYERS)
+    model = hf_teacher.load(target.path, "cpu")
+    theirs = hf_teacher.generate(model, prompts, [0.0] * 3, (), 12, top_k=8, batch=2, state_layers=LAYERS)
+    for a, b in zip(ours, theirs):
+        assert a.ids == b.ids and a.prompt_len == b.prompt_len
+        assert a.states.shape == b.states.shape == (len(a.ids) - 1, len(LAYERS) * target.config.hidden_size)
+        assert torch.allclose(a.states.float(), b.states.float(), atol=1e-2)
+        assert torch.equal(a.top_ids, b.top_ids)
+        assert torch.allclose(a.top_logp.float(), b.top_logp.float(), atol=1e-2)
+
+
+def test_train_head_with_the_hf_teacher_writes_a_head_and_its_data_size_ablation(tiny_target, tmp_path):
+    """scripts/train_head.py end to end with the two-stage hf teacher: a loadable head, and the
+    ablation trained for the same steps as the head, in its card."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    import train_head
+    from services.draft.feature_head import FeatureHead
+
+    out = tmp_path / "head"
+    assert train_head.main(["--target", str(tiny_target), "--teacher", "hf", "--prompts", "12",
+                            "--passage-fraction", "0.3", "--max-tokens", "8", "--held-out", "2", "--steps", "4",
+                            "--batch-tokens", "256", "--layers", "0,1", "--ablation", "0.5",
+                            "--work", str(tmp_path / "work"), "--out", str(out)]) == 0
+    info = json.loads((out / "train-info.json").read_text())
+    assert info["answers"] == 12 and info["steps"] == 4
+    assert [a["fraction"] for a in info["ablation"]] == [0.5] and info["ablation"][0]["steps"] == 4
+    assert info["ablation"][0]["answers"] == 5  # half of the 10 not held out
+    assert "## Data size" in (out / "card.md").read_text()
+    assert FeatureHead.load(out).config.target_layers == (0, 1)

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from services.common.prompt import encode_prompt
-from services.draft.training import teacher
-from services.draft.training.prompts import make_prompts
+from services.draft.training import hf_teacher, teacher
+from services.draft.training.prompts import make_foreign_prompts, make_passage_prompts, make_prompts
 
 log = logging.getLogger(__name__)
 SHARD = 64  # answers per shard file
@@ -102,3 +102,36 @@ def _extend(target, work: Path, plan: TeacherPlan, done: dict, have: int, minute
                      on_sample=on_sample, enough=lambda: tokens[0] >= plan.tokens)
     flush()
     return total[0]
+
+
+def build_hf(target, plan: TeacherPlan, device: str, passage_fraction: float) -> tuple[list[teacher.Sample], float]:
+    """Teacher data on a CUDA machine (hf_teacher), in two stages: the template prompts (and some
+    asking for text in another language), then `passage_fraction` of plan.prompts over their
+    answers (prompts.make_passage_prompts). Every prompt is answered (no token cap) and nothing
+    is cached: a GPU makes it in minutes. Returns the samples, stage one first, and the seconds."""
+    started = time.monotonic()
+    model = hf_teacher.load(target.path, device)
+    second = round(passage_fraction * plan.prompts)
+    first = make_prompts(plan.prompts - second, seed=plan.seed)
+    foreign = make_foreign_prompts(second // 8, seed=plan.seed) if second else []
+    samples = _answer_hf(model, target, first + foreign, plan)
+    if second:
+        def text(s):
+            return target.tokenizer.decode(s.ids[s.prompt_len :], skip_special_tokens=True).strip()
+
+        long_enough = min(48, plan.max_tokens // 2)
+        passages = [text(s) for s in samples[: len(first)] if len(s.ids) - s.prompt_len >= long_enough]
+        foreign_text = [text(s) for s in samples[len(first) :]]
+        if len(passages) < 2:
+            raise ValueError(f"only {len(passages)} first-stage answers of {long_enough}+ tokens to build passages from")
+        samples += _answer_hf(model, target, make_passage_prompts(passages, foreign_text, second, plan.seed), plan)
+    return samples, time.monotonic() - started
+
+
+def _answer_hf(model, target, prompts: list[str], plan: TeacherPlan) -> list[teacher.Sample]:
+    rng = random.Random(plan.seed + len(prompts))
+    temps = [0.8 if rng.random() < plan.sampled_fraction else 0.0 for _ in prompts]
+    encoded = [encode_prompt(target.tokenizer, p, chat=True) for p in prompts]
+    eos = target.config.eos_token_ids
+    return hf_teacher.generate(model, encoded, temps, eos, plan.max_tokens, batch=plan.batch, seed=plan.seed,
+                               state_layers=plan.layers, pad_id=eos[0])

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -34,6 +34,9 @@ class Batch:
     teacher_ids: torch.Tensor  # [R, k] long: draft-vocabulary ids of the teacher's top-k (0 where not kept)
     teacher_p: torch.Tensor  # [R, k] float32: their probabilities (0 where not kept)
     teacher_top1: torch.Tensor  # [R] long: the target's most likely next token (target id)
+
+    def to(self, device) -> "Batch":
+        return Batch(*(getattr(self, f.name).to(device) for f in fields(self)))
 
 
 def make_batch(samples, t2d: torch.Tensor) -> Batch:
@@ -76,7 +79,7 @@ def _attend(q, k0, v0, extra, group: int) -> torch.Tensor:
     s = len(extra)
     k0, v0 = k0.repeat_interleave(group, 1), v0.repeat_interleave(group, 1)
     scores = [q @ k0.transpose(-1, -2) / math.sqrt(d)]  # [B, H, T, T]
-    t = torch.arange(T)
+    t = torch.arange(T, device=q.device)
     scores[0] = scores[0].masked_fill(t[None, :] > (t[:, None] - s), float("-inf"))
     shifted_v = []
     for i, (k, v) in enumerate(extra, start=1):
@@ -95,7 +98,7 @@ def _attend(q, k0, v0, extra, group: int) -> torch.Tensor:
 def unroll(head: FeatureHead, embed: torch.Tensor, batch: Batch, steps: int) -> list[torch.Tensor]:
     """The head's output states [B, T, hidden] at each of `steps` unrolled steps."""
     B, T, _ = batch.states.shape
-    cos, sin = head.rope(torch.arange(T))  # [T, d]
+    cos, sin = head.rope(torch.arange(T, device=batch.states.device))  # [T, d]
     emb = embed[batch.next_ids]  # [B, T, hidden]
     state = head.fuse_states(batch.states)
     keys, outs = [], []
@@ -137,6 +140,7 @@ class TrainPlan:
     seed: int
     step_weight: float = 0.8  # loss weight of unrolled step s: step_weight ** s
     minutes: float = 60.0  # training budget of this run (stops early, keeps its state)
+    device: str = "cpu"  # where the head trains (the samples stay on the CPU; batches move)
 
 
 @torch.no_grad()
@@ -144,7 +148,7 @@ def evaluate(head: FeatureHead, embed: torch.Tensor, samples, t2d: torch.Tensor,
     """Held-out metrics per unrolled step (= draft depth - 1), weighted by rows."""
     totals = [{"loss": 0.0, "top1": 0.0, "accept": 0.0, "rows": 0} for _ in range(plan.unroll)]
     for idx in make_batches(samples, plan.batch_tokens, torch.Generator().manual_seed(0)):
-        batch = make_batch([samples[i] for i in idx], t2d)
+        batch = make_batch([samples[i] for i in idx], t2d).to(plan.device)
         for tot, m in zip(totals, step_losses(head, unroll(head, embed, batch, plan.unroll), batch)):
             for key in ("loss", "top1", "accept"):
                 tot[key] += float(m[key]) * m["rows"]
@@ -181,7 +185,7 @@ def train(head: FeatureHead, embed: torch.Tensor, samples, t2d: torch.Tensor, pl
     while run["step"] < run["total"] and time.monotonic() < started + 60 * plan.minutes:
         if not queue:
             queue = make_batches(samples, plan.batch_tokens, rng)
-        batch = make_batch([samples[i] for i in queue.pop()], t2d)
+        batch = make_batch([samples[i] for i in queue.pop()], t2d).to(plan.device)
         loss, metrics = _step(head, embed, batch, opt, plan, run)
         run["step"] += 1
         run["history"].append([run["step"], loss] + [m["top1"] for m in metrics])

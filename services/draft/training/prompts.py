@@ -156,3 +156,49 @@ def make_prompts(n: int, seed: int = 0) -> list[str]:
             seen.add(prompt)
             out.append(prompt)
     return out
+
+
+# Second-stage prompts: tasks over a passage the target wrote in the first stage (summaries,
+# questions over documents, extraction, translation back to English), the kinds of answer that
+# copy from their prompt, which template prompts alone rarely ask for.
+PASSAGE_TEMPLATES = [
+    "Summarize: {passage}",
+    "Summarize the following text in a few sentences.\n\n{passage}",
+    "{passage}\n\nWhat is the main point of the text above? Answer in one or two sentences.",
+    "Read the document and answer the question.\n\nDocument: {passage}\n\nQuestion: {question}",
+    "{passage} {passage2}\n\n{question}",
+    "Extract every name, place and number mentioned in this text, one per line.\n\n{passage}",
+    "List the key facts of this text as bullet points.\n\n{passage}",
+    "Rewrite the following text in simpler words.\n\n{passage}",
+    "Continue this text with one more paragraph.\n\n{passage}",
+]
+FOREIGN_TEMPLATES = ["Write a few sentences in {language} about {topic}.",
+                     "Describe {topic} in {language}, in one short paragraph."]
+QUESTIONS = ["What is this text about?", "Why does {topic} matter, according to the text?",
+             "Who or what is mentioned first in the text?", "What happens at the end of the text?",
+             "Which details in the text are the most surprising?", "What can we learn about {topic}?"]
+
+
+def make_foreign_prompts(n: int, seed: int = 0) -> list[str]:
+    """n prompts asking for text in another language (their answers are translated back later)."""
+    rng = random.Random(seed + 1)
+    return [rng.choice(FOREIGN_TEMPLATES).format(language=rng.choice(LANGUAGES), topic=rng.choice(TOPICS))
+            for _ in range(n)]
+
+
+def make_passage_prompts(passages: list[str], foreign: list[str], n: int, seed: int = 0,
+                         max_chars: int = 1500) -> list[str]:
+    """n prompts over the first stage's answers: `passages` (English) and `foreign` (another
+    language, to be translated: "Translate German to English: ..." as Spec-Bench asks)."""
+    rng = random.Random(seed + 2)
+    out = []
+    for _ in range(n):
+        if foreign and rng.random() < 0.15:
+            language = rng.choice(["German", "French", "Spanish", "the following"])
+            out.append(f"Translate {language} to English: {rng.choice(foreign)[:max_chars]}")
+            continue
+        p1, p2 = rng.sample(passages, 2)
+        question = rng.choice(QUESTIONS).format(topic=rng.choice(TOPICS))
+        out.append(rng.choice(PASSAGE_TEMPLATES).format(passage=p1[:max_chars], passage2=p2[: max_chars // 2],
+                                                        question=question))
+    return out
