@@ -68,6 +68,27 @@ class BlockTensor:
         return w.flatten(1)
 
     @staticmethod
+    def quantize(w: torch.Tensor, kind: str) -> "BlockTensor":
+        """A float weight [out, in] (in a multiple of 32) rounded to Q8_0 (d = amax / 127 per
+        block) or Q4_1 (d = (max - min) / 15, m = min), as llama.cpp's quantizers do."""
+        out, k = w.shape
+        x = w.detach().float().reshape(out, k // BLOCK, BLOCK)
+        if kind == "Q8_0":
+            d = (x.abs().amax(-1) / 127).half()  # [out, blocks]
+            inv = torch.where(d > 0, 1 / d.float(), torch.zeros_like(d, dtype=torch.float32))
+            q = (x * inv[..., None]).round().clamp(-127, 127).to(torch.int8).view(torch.uint8)
+            parts = [d[..., None].view(torch.uint8), q]
+        elif kind == "Q4_1":
+            lo, hi = x.amin(-1), x.amax(-1)
+            d, m = ((hi - lo) / 15).half(), lo.half()
+            inv = torch.where(d > 0, 1 / d.float(), torch.zeros_like(d, dtype=torch.float32))
+            q = ((x - m.float()[..., None]) * inv[..., None]).round().clamp(0, 15).to(torch.uint8)
+            parts = [d[..., None].view(torch.uint8), m[..., None].view(torch.uint8), q[..., :16] | (q[..., 16:] << 4)]
+        else:
+            raise ValueError(f"cannot quantize to {kind}: Q8_0 or Q4_1")
+        return BlockTensor(kind, torch.cat(parts, -1).reshape(out, -1).contiguous())
+
+    @staticmethod
     def cat(parts: list["BlockTensor"]) -> "BlockTensor":
         """Stack weights of one kind along the output dimension (fused q/k/v, gate/up)."""
         assert len({p.kind for p in parts}) == 1

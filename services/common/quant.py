@@ -30,6 +30,10 @@ from services.common.gguf_blocks import BLOCK, BlockTensor
 INNER_K_TILES = 2  # the CPU layout's k tiling (inputs a multiple of 64)
 ROUTE_ENV = "SPECSERVE_NATIVE_MATMUL"  # auto (default), float or int4
 ROUTES = ("auto", "float", "int4")
+# a feature head's linears when served (services/draft/feature_head.py): auto (q4 where the
+# kernels are built), q4 (Q4_1 tiles), q8 (Q8_0 blocks) or float
+HEAD_WEIGHTS_ENV = "SPECSERVE_HEAD_WEIGHTS"
+HEAD_WEIGHT_KINDS = ("auto", "q4", "q8", "float")
 
 
 @dataclass

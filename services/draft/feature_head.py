@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -24,7 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.common import cpu_kernels, qmatmul
+from services.common.gguf_blocks import BlockTensor
 from services.common.matmul import Matmul
+from services.common.quant import HEAD_WEIGHT_KINDS, HEAD_WEIGHTS_ENV
 
 CONFIG_NAME = "head_config.json"
 WEIGHTS_NAME = "head.safetensors"
@@ -87,22 +91,44 @@ class FeatureHead(nn.Module):
         self.lm_head = nn.Linear(h, c.draft_vocab, bias=False)
         self.register_buffer("d2t", torch.zeros(c.draft_vocab, dtype=torch.long))  # draft id -> target id
         self.register_buffer("inv_freq", torch.tensor(c.inv_freq), persistent=False)  # [head_dim / 2]
-        self._routes: dict | None = None  # serving: the engine's matmul routes (prepare_serving)
-        self._matmul: Matmul | None = None
+        self._routes: dict | None = None  # serving: per linear, x [rows, in] -> [rows, out] (prepare_serving)
+        self._matmul: Matmul | None = None  # the float routes' chooser
+        # serving on the native kernels: the decoder layer's layers.cpp arguments (norms, blocks, kinds)
+        self.stack: tuple | None = None
 
     def prepare_serving(self) -> None:
-        """Serve with the engine's matmul routes (services/common/matmul.py: F.linear or oneDNN's
-        blocked copy by row count, timed here): inference only, the weights are frozen."""
+        """Serve with frozen weights (inference only). With the native CPU kernels each linear is
+        rounded to blocks (HEAD_WEIGHTS_ENV: q4 = Q4_1 tiles on q8matmul.cpp, q8 = Q8_0 on
+        qmatmul.cpp's block kernel): a draft token streams an eighth or a quarter of the float32
+        bytes, and the rounding moves only what the head proposes, never what is accepted.
+        Otherwise (`float`, or an input size off the blocks of 32) the engine's float routes."""
+        kind = os.environ.get(HEAD_WEIGHTS_ENV, "auto").strip() or "auto"
+        if kind not in HEAD_WEIGHT_KINDS:
+            raise ValueError(f"{HEAD_WEIGHTS_ENV} must be one of {', '.join(HEAD_WEIGHT_KINDS)}, not {kind!r}")
+        if kind == "auto":
+            kind = "q4" if cpu_kernels.available() else "float"
         self._matmul = Matmul(torch.device("cpu"), torch.float32)
+        self._routes, floats, native = {}, [], {}
         with torch.inference_mode():
-            self._routes = {n: self._matmul.weight(getattr(self, n).weight.detach().float().contiguous())
-                            for n in LINEARS}
-        self._matmul.tune(list(self._routes.values()))
+            for name in LINEARS:
+                w = getattr(self, name).weight.detach().float().contiguous()
+                if kind != "float" and w.shape[1] % 32 == 0:
+                    native[name], self._routes[name] = _block_route(w, kind)
+                else:
+                    floats.append(self._matmul.weight(w))
+                    self._routes[name] = lambda x, fw=floats[-1]: self._matmul(x, fw)
+        self._matmul.tune(floats)
+        layer = [native.get(n) for n in ("wqkv", "wo", "wgu", "wd")]
+        if self.config.head_dim % 32 == 0 and all(  # attention.cpp's head sizes; no weight padded
+                w is not None and w.shape == getattr(self, n).weight.shape for w, n in zip(layer, ("wqkv", "wo", "wgu", "wd"))):
+            self.stack = ([self.ln1.detach(), self.ln2.detach()],
+                          [w.tiles if isinstance(w, qmatmul.TileWeight) else w.block.raw for w in layer],
+                          [qmatmul.TILES if isinstance(w, qmatmul.TileWeight) else qmatmul.KINDS["Q8_0"] for w in layer])
 
     def _linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
         if self._routes is None:
             return getattr(self, name)(x)
-        return self._matmul(x.reshape(-1, x.shape[-1]), self._routes[name]).reshape(*x.shape[:-1], -1)
+        return self._routes[name](x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
 
     # -- the pieces, shared by training and serving ------------------------------------------------
 
@@ -174,6 +200,17 @@ class FeatureHead(nn.Module):
                    for k, v in load_file(str(Path(path) / WEIGHTS_NAME)).items()}
         head.load_state_dict(tensors)
         return head.eval()
+
+
+def _block_route(w: torch.Tensor, kind: str):
+    """w [out, in] -> (the native weight, a function x [rows, in] -> [rows, out] on it)."""
+    if kind == "q8":
+        weight = qmatmul.BlockWeight(BlockTensor.quantize(w, "Q8_0"))
+        return weight, weight.linear
+    out = w.shape[0]
+    pad = -out % qmatmul.TILE  # tiles hold 16 outputs: zero rows, sliced off
+    tiles = qmatmul.pack_tiles(BlockTensor.quantize(F.pad(w, (0, 0, 0, pad)), "Q4_1"))
+    return tiles, (tiles.linear if not pad else lambda x: tiles.linear(x)[:, :out])
 
 
 def is_head_checkpoint(path) -> bool:

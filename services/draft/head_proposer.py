@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from services.common.kv_cache import KVCache
+from services.common.llama import NO_MASK
 from services.common.tree import MAX_TREE_NODES, DraftTree
 from services.draft.feature_head import FeatureHead
 from services.draft.proposer import ProposeItem, Proposer
@@ -50,6 +51,8 @@ class _Part:
     ids: list[int]  # [n]: the token each row reads
     positions: list[int]  # [n]
     mask: torch.Tensor  # [n, slots before + n] bool: what each row attends to
+    tree_start: int  # the slots before it see every row; after it, `visible` says
+    visible: torch.Tensor  # [n, slots from tree_start] bool, or NO_MASK: causal (attention.cpp's plan)
 
 
 class HeadProposer(Proposer):
@@ -71,7 +74,30 @@ class HeadProposer(Proposer):
         """Feed every part's rows into its cache; returns each part's output states [n, hidden]."""
         h = self.head
         u = h.layer_input(torch.cat([p.state for p in parts]), self.embed[[i for p in parts for i in p.ids]])
-        cos, sin = h.rope(torch.tensor([t for p in parts for t in p.positions]))
+        cos, sin = h.rope(torch.tensor([t for p in parts for t in p.positions]))  # [N, d]
+        if h.stack is not None:
+            out = self._native_layer(parts, u, cos, sin)
+        else:
+            out = self._torch_layer(parts, u, cos, sin)
+        return list(out.split([len(p.ids) for p in parts]))
+
+    def _native_layer(self, parts: list[_Part], u, cos, sin) -> torch.Tensor:
+        """The decoder layer in one layers.cpp call (the target's own CPU kernels)."""
+        c, offsets, off = self.head.config, [], 0
+        for p in parts:
+            p.cache.reserve(p.cache.length + len(p.ids))
+            offsets.append(off)
+            off += len(p.ids)
+        out, = torch.ops.specserve_q.layers(
+            u.contiguous(), cos, sin, *self.head.stack, [p.cache.k for p in parts], [p.cache.v for p in parts],
+            offsets, [len(p.ids) for p in parts], [p.cache.length for p in parts], [p.tree_start for p in parts],
+            [p.visible for p in parts], c.num_heads, c.num_kv_heads, c.rms_norm_eps, [])
+        for p in parts:
+            p.cache.length += len(p.ids)
+        return out
+
+    def _torch_layer(self, parts: list[_Part], u, cos, sin) -> torch.Tensor:
+        h = self.head
         q, k, v = h.qkv(u, cos, sin)  # [heads, N, d], [kv_heads, N, d] x 2
         attn, off = [], 0
         for p in parts:
@@ -85,8 +111,7 @@ class HeadProposer(Proposer):
                                                enable_gqa=True)[0]  # [heads, n, d]
             attn.append(o.transpose(0, 1).flatten(1))
             off += n
-        out = h.finish(u, torch.cat(attn))
-        return list(out.split([len(p.ids) for p in parts]))
+        return h.finish(u, torch.cat(attn))
 
     def _state(self, seq) -> _HeadState:
         st = seq.scratch if isinstance(seq.scratch, _HeadState) else None
@@ -115,7 +140,7 @@ class HeadProposer(Proposer):
         n = len(positions)
         mask = torch.cat([torch.ones(n, st.slots, dtype=torch.bool), torch.ones(n, n, dtype=torch.bool).tril()], 1)
         state = self.head.fuse_states(torch.cat(rows))
-        return _Part(seq.cache, state, [seq.tokens[t + 1] for t in positions], positions, mask)
+        return _Part(seq.cache, state, [seq.tokens[t + 1] for t in positions], positions, mask, st.slots, NO_MASK)
 
     def propose(self, items: list[ProposeItem]) -> list[DraftTree]:
         items = [it if it.tree_size <= MAX_TREE_NODES else replace(it, tree_size=MAX_TREE_NODES) for it in items]
@@ -168,4 +193,5 @@ class HeadProposer(Proposer):
                 mask[r, st.slots + a] = True
                 a = tree.parents[a]
         st.tree_fed = fed
-        return _Part(seq.cache, state, [tree.tokens[n] for n in new], positions, mask)
+        return _Part(seq.cache, state, [tree.tokens[n] for n in new], positions, mask, st.slots,
+                     mask[:, st.slots :].contiguous())

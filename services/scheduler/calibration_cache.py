@@ -21,7 +21,7 @@ from pathlib import Path
 
 from services.common.loading import specserve_home
 from services.common.machine import cpu_model
-from services.common.quant import ROUTE_ENV
+from services.common.quant import HEAD_WEIGHTS_ENV, ROUTE_ENV
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ def cache_key(pair: str, route_rows: int, max_k: int, width: int) -> dict:
 
     return {"pair": pair, "route_rows": route_rows, "max_k": max_k, "width": width, "cpu": cpu_model(),
             "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "code": code_version(),
-            "native_matmul": os.environ.get(ROUTE_ENV, "auto")}
+            "native_matmul": os.environ.get(ROUTE_ENV, "auto"), "head_weights": os.environ.get(HEAD_WEIGHTS_ENV, "auto")}
 
 
 def _path(key: dict) -> Path:

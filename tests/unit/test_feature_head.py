@@ -38,8 +38,10 @@ def tiny_chunk(model, ids):
 
 
 @pytest.mark.parametrize("greedy", [True, False])
-def test_training_unroll_computes_what_serving_drafts(target, greedy):
-    """A drafted chain's q at depth d equals the training unroll's distribution at step d - 1."""
+def test_training_unroll_computes_what_serving_drafts(target, greedy, monkeypatch):
+    """A drafted chain's q at depth d equals the training unroll's distribution at step d - 1
+    (served on float weights: the native routes round them)."""
+    monkeypatch.setenv("SPECSERVE_HEAD_WEIGHTS", "float")
     head = tiny.make_head(target)
     proposer = tiny.head_proposer(target, head)
     ids = torch.randint(3, 64, (12,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -276,3 +278,69 @@ def test_train_head_with_the_hf_teacher_writes_a_head_and_its_data_size_ablation
     assert info["ablation"][0]["answers"] == 5  # half of the 10 not held out
     assert "## Data size" in (out / "card.md").read_text()
     assert FeatureHead.load(out).config.target_layers == (0, 1)
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1"])
+def test_a_float_weight_rounds_to_blocks_within_half_a_step(kind):
+    """BlockTensor.quantize (the served head's weights): every value within half a quantization
+    step of its block, and the blocks decode as the file's own do."""
+    from services.common.gguf_blocks import BlockTensor
+
+    w = torch.randn(40, 96, generator=torch.Generator().manual_seed(3)) * 0.05
+    w[0, :32] = 0.0  # an all-zero block: d = 0, decoded exactly
+    block = BlockTensor.quantize(w, kind)
+    assert block.kind == kind and block.shape == (40, 96)
+    _, scale, low = block.decode()
+    err = (block.dequantize() - w).abs().view(40, 3, 32)
+    bound = 0.5 * scale + (1e-3 * low.abs() if low is not None else 1e-7)  # [40, 3]; Q4_1: m's float16 rounding
+    assert (err <= bound[..., None]).all()
+    assert torch.equal(block.dequantize()[0, :32], torch.zeros(32))
+    with pytest.raises(ValueError, match="Q8_0 or Q4_1"):
+        BlockTensor.quantize(w, "Q5_K")
+
+
+@pytest.mark.skipif(not __import__("services.common.cpu_kernels", fromlist=["x"]).available(),
+                    reason="the native CPU kernels are not built here")
+@pytest.mark.parametrize("kind", ["q8", "q4"])
+def test_the_served_head_routes_multiply_by_the_rounded_weights(kind):
+    """A served head's linear on the native kernels: x times the rounded weights (q4 rounds the
+    activations to int8 per block too), outputs past a tile's 16 sliced off."""
+    from services.common.gguf_blocks import BlockTensor
+    from services.draft.feature_head import _block_route
+
+    gen = torch.Generator().manual_seed(5)
+    w, x = torch.randn(40, 96, generator=gen) * 0.05, torch.randn(3, 96, generator=gen)
+    y = _block_route(w, kind)[1](x)
+    want = x @ BlockTensor.quantize(w, "Q8_0" if kind == "q8" else "Q4_1").dequantize().T
+    assert y.shape == (3, 40)
+    tol = 1e-5 if kind == "q8" else 2e-2  # q4: int8 activations per block of 32
+    assert (y - want).abs().max() <= tol * want.abs().max()
+
+
+def test_an_unknown_head_weight_kind_is_refused(target, monkeypatch):
+    monkeypatch.setenv("SPECSERVE_HEAD_WEIGHTS", "int3")
+    with pytest.raises(ValueError, match="SPECSERVE_HEAD_WEIGHTS"):
+        tiny.make_head(target).prepare_serving()
+
+
+@pytest.mark.skipif(not __import__("services.common.cpu_kernels", fromlist=["x"]).available(),
+                    reason="the native CPU kernels are not built here")
+def test_the_native_layer_drafts_what_the_torch_layer_drafts(tmp_path):
+    """The served head's decoder layer in one layers.cpp call (the target's kernels, attention.cpp
+    over the tree's visible slots) computes what the torch ops (SDPA with the mask) compute."""
+    # attention.cpp takes head sizes in multiples of 32
+    target = load_model(str(tiny.make_checkpoint(tmp_path / "wide", seed=4, hidden=64, heads=2, kv_heads=1)))
+    ids = list(range(5, 17))
+    states = target_states(target, ids).half()
+    runs = []
+    for native in (True, False):
+        proposer = tiny.head_proposer(target, tiny.make_head(target))
+        assert (proposer.head.stack is not None) is True
+        if not native:
+            proposer.head.stack = None
+        seq = Sequence("r", SamplingParams(max_tokens=4), None, tokens=list(ids))
+        tree = proposer.propose([ProposeItem(seq, 3, 9, [HiddenStates(0, states[:11])])])[0]
+        runs.append((tree.tokens, tree.parents, seq.scratch.out, torch.stack(seq.scratch.node_out)))
+    (tok_a, par_a, out_a, nodes_a), (tok_b, par_b, out_b, nodes_b) = runs
+    assert len(tok_a) > 3 and tok_a == tok_b and par_a == par_b  # a tree, not a chain
+    assert torch.allclose(out_a, out_b, atol=1e-4) and torch.allclose(nodes_a, nodes_b, atol=1e-4)
