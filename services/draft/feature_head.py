@@ -118,12 +118,19 @@ class FeatureHead(nn.Module):
                     floats.append(self._matmul.weight(w))
                     self._routes[name] = lambda x, fw=floats[-1]: self._matmul(x, fw)
         self._matmul.tune(floats)
-        layer = [native.get(n) for n in ("wqkv", "wo", "wgu", "wd")]
-        if self.config.head_dim % 32 == 0 and all(  # attention.cpp's head sizes; no weight padded
-                w is not None and w.shape == getattr(self, n).weight.shape for w, n in zip(layer, ("wqkv", "wo", "wgu", "wd"))):
-            self.stack = ([self.ln1.detach(), self.ln2.detach()],
-                          [w.tiles if isinstance(w, qmatmul.TileWeight) else w.block.raw for w in layer],
-                          [qmatmul.TILES if isinstance(w, qmatmul.TileWeight) else qmatmul.KINDS["Q8_0"] for w in layer])
+        self.stack = self._native_stack(native)
+
+    def _native_stack(self, native: dict) -> tuple | None:
+        """layers.cpp's arguments for the decoder layer (norms, blocks, kinds) when its four
+        linears run native and unpadded and attention.cpp takes the head size; else None."""
+        names = ("wqkv", "wo", "wgu", "wd")
+        layer = [native.get(n) for n in names]
+        if self.config.head_dim % 32 or any(w is None or w.shape != getattr(self, n).weight.shape
+                                            for w, n in zip(layer, names)):
+            return None
+        blocks = [w.tiles if isinstance(w, qmatmul.TileWeight) else w.block.raw for w in layer]
+        kinds = [qmatmul.TILES if isinstance(w, qmatmul.TileWeight) else qmatmul.KINDS["Q8_0"] for w in layer]
+        return [self.ln1.detach(), self.ln2.detach()], blocks, kinds
 
     def _linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
         if self._routes is None:
