@@ -64,7 +64,8 @@ def main(argv=None) -> int:
     ids = torch.randint(100, 20000, (args.context + 1,), generator=torch.Generator().manual_seed(0)).tolist()
     layers = tuple(FeatureHead.load(Path(args.head)).config.target_layers)
     cache = target.model.new_cache(len(ids) + 2)
-    _, states = target.model.forward_states([Chunk(cache, ids[:-1], list(range(-1, len(ids) - 2)), len(ids) - 2)], layers)
+    prompt = Chunk(cache, ids[:-1], list(range(-1, len(ids) - 2)), len(ids) - 2)
+    _, states = target.model.forward_states([prompt], layers)
 
     def target_step() -> None:
         cache.length = len(ids) - 1

@@ -32,10 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from services.common.loading import load_model, load_weights  # noqa: E402
 from services.common.machine import cpu_model  # noqa: E402
+from services.common.prompt import encode_prompt  # noqa: E402
 from services.common.vocab import vocabulary_digest  # noqa: E402
 from services.draft.feature_head import FeatureHead, HeadConfig, init_from_head, init_from_target  # noqa: E402
 from services.draft.slim import kept_ids  # noqa: E402
-from services.common.prompt import encode_prompt  # noqa: E402
 from services.draft.training import feature_data, head_trainer, hf_teacher, teacher  # noqa: E402
 
 log = logging.getLogger("train_head")
@@ -88,7 +88,9 @@ def main(argv=None) -> int:
     torch.manual_seed(args.seed)
     started = time.monotonic()
     args.teacher = args.teacher or ("hf" if args.device == "cuda" else "engine")
-    target = load_model(args.target, weights=args.teacher == "engine" or (args.device == "cpu" and bool(args.eval_questions)))
+    # the engine's weights: for its teacher, or for the dev answers of a CPU run
+    engine = args.teacher == "engine" or (args.device == "cpu" and bool(args.eval_questions))
+    target = load_model(args.target, weights=engine)
     plan = feature_data.TeacherPlan(tuple(int(x) for x in args.layers.split(",")), args.prompts, args.tokens,
                                     args.max_tokens, args.sampled_fraction, args.teacher_batch, args.seed)
     if args.teacher == "hf":
@@ -214,19 +216,28 @@ An EAGLE-3-style head (services/draft/feature_head.py): the target's states afte
 - Size: {info['bytes'] / 1e6:.1f} MB (bfloat16). Machine: {info['machine']}; {info['threads']} torch threads;
   built {info['date']}; {info['total_seconds'] / 60:.1f} min in all.
 """
+    (out / "card.md").write_text(text + card_extras(info))
+    (out / "train-info.json").write_text(json.dumps(info, indent=1))
+
+
+def card_extras(info: dict) -> str:
+    """The card's dev metrics and data-size ablation, when the run made them."""
+    text = ""
     if info.get("dev"):
-        text += "\n- On the first Spec-Bench dev question of each category (greedy answers, 128 tokens; never trained on), top-1 / accept per depth: "
+        text += ("\n- On the first Spec-Bench dev question of each category (greedy answers, 128 tokens; "
+                 "never trained on), top-1 / accept per depth: ")
         text += ", ".join(f"{m['top1']:.3f} / {m['accept']:.3f}" for m in info["dev"]) + ".\n"
     if info.get("ablation"):
         text += "\n## Data size (same steps and schedule; held-out and dev top-1 at depths 1 and 4)\n\n"
-        text += "| data | answers | answer tokens | held-out d1 | held-out d4 | dev d1 | dev d4 |\n|---|---|---|---|---|---|---|\n"
-        for a in info["ablation"] + [{"fraction": 1.0, "answers": info["train_answers"], "answer_tokens": info["answer_tokens"],
-                                       "held_out": info["after"], "dev": info.get("dev", [])}]:
+        text += "| data | answers | answer tokens | held-out d1 | held-out d4 | dev d1 | dev d4 |\n"
+        text += "|---|---|---|---|---|---|---|\n"
+        everything = {"fraction": 1.0, "answers": info["train_answers"], "answer_tokens": info["answer_tokens"],
+                      "held_out": info["after"], "dev": info.get("dev", [])}
+        for a in info["ablation"] + [everything]:
             dev = f"{a['dev'][0]['top1']:.3f} | {a['dev'][-1]['top1']:.3f}" if a["dev"] else "- | -"
-            text += (f"| {a['fraction']:g} | {a['answers']} | {a['answer_tokens']} | {a['held_out'][0]['top1']:.3f} | "
-                     f"{a['held_out'][-1]['top1']:.3f} | {dev} |\n")
-    (out / "card.md").write_text(text)
-    (out / "train-info.json").write_text(json.dumps(info, indent=1))
+            text += (f"| {a['fraction']:g} | {a['answers']} | {a['answer_tokens']} | "
+                     f"{a['held_out'][0]['top1']:.3f} | {a['held_out'][-1]['top1']:.3f} | {dev} |\n")
+    return text
 
 
 def machine() -> str:

@@ -123,7 +123,8 @@ def build_hf(target, plan: TeacherPlan, device: str, passage_fraction: float) ->
         passages = [text(s) for s in samples[: len(first)] if len(s.ids) - s.prompt_len >= long_enough]
         foreign_text = [text(s) for s in samples[len(first) :]]
         if len(passages) < 2:
-            raise ValueError(f"only {len(passages)} first-stage answers of {long_enough}+ tokens to build passages from")
+            raise ValueError(f"only {len(passages)} first-stage answers of {long_enough}+ tokens "
+                             "to build passages from")
         samples += _answer_hf(model, target, make_passage_prompts(passages, foreign_text, second, plan.seed), plan)
     return samples, time.monotonic() - started
 

@@ -100,7 +100,8 @@ def _record_rows(model, prompts, answers, top_k: int, state_layers) -> list[Samp
     finally:
         for hook in hooks:
             hook.remove()
-    states = torch.cat([captured[layer] for layer in state_layers], -1) if state_layers else None  # [B, T, layers * hidden]
+    # [B, T, layers * hidden]
+    states = torch.cat([captured[layer] for layer in state_layers], -1) if state_layers else None
     samples = []
     for r, (p, a) in enumerate(zip(prompts, answers)):
         n = len(p) + len(a)
