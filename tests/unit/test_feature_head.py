@@ -344,3 +344,24 @@ def test_the_native_layer_drafts_what_the_torch_layer_drafts(tmp_path):
     (tok_a, par_a, out_a, nodes_a), (tok_b, par_b, out_b, nodes_b) = runs
     assert len(tok_a) > 3 and tok_a == tok_b and par_a == par_b  # a tree, not a chain
     assert torch.allclose(out_a, out_b, atol=1e-4) and torch.allclose(nodes_a, nodes_b, atol=1e-4)
+
+
+def test_device_batches_equal_the_padded_ones():
+    """DeviceSamples (the GPU's batches, gathered where the data lives) builds what make_batch
+    pads on the CPU: every field, padding included, for ragged samples and a reduced vocabulary."""
+    from dataclasses import fields
+
+    gen = torch.Generator().manual_seed(9)
+    samples = []
+    for n, prompt in ((9, 3), (14, 6), (5, 1), (11, 4)):
+        ids = torch.randint(0, 40, (n,), generator=gen).tolist()
+        top_ids = torch.randint(0, 40, (n - prompt, 4), generator=gen).int()
+        samples.append(teacher.Sample(ids, prompt, top_ids, torch.randn(n - prompt, 4, generator=gen).half(),
+                                      torch.randn(n - 1, 6, generator=gen).half()))
+    t2d = torch.full((40,), -1, dtype=torch.long)
+    t2d[::2] = torch.arange(20)  # even ids kept
+    data = head_trainer.DeviceSamples(samples, t2d, "cpu")
+    for idx in ([0, 1, 2, 3], [2], [3, 1]):
+        want, got = head_trainer.make_batch([samples[i] for i in idx], t2d), data.batch(idx)
+        for f in fields(want):
+            assert torch.equal(getattr(got, f.name), getattr(want, f.name)), f.name

@@ -10,10 +10,12 @@ and step i's key (1 <= i <= s) at position t - s + i only, the keys a tree path 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
-from dataclasses import dataclass, fields
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,9 +36,6 @@ class Batch:
     teacher_ids: torch.Tensor  # [R, k] long: draft-vocabulary ids of the teacher's top-k (0 where not kept)
     teacher_p: torch.Tensor  # [R, k] float32: their probabilities (0 where not kept)
     teacher_top1: torch.Tensor  # [R] long: the target's most likely next token (target id)
-
-    def to(self, device) -> "Batch":
-        return Batch(*(getattr(self, f.name).to(device) for f in fields(self)))
 
 
 def make_batch(samples, t2d: torch.Tensor) -> Batch:
@@ -63,6 +62,53 @@ def make_batch(samples, t2d: torch.Tensor) -> Batch:
     kept = draft_ids >= 0
     return Batch(states, next_ids, torch.cat(rows), torch.cat(row_t), draft_ids.clamp(min=0),
                  logp.exp() * kept, ids[:, 0])
+
+
+class DeviceSamples:
+    """Every sample concatenated on one device, so that a batch is a few gathers there: on a GPU,
+    make_batch's padding on the CPU costs more than the training step. batch(idx) equals
+    make_batch([samples[i] for i in idx], t2d) moved to the device."""
+
+    def __init__(self, samples, t2d: torch.Tensor, device):
+        fed = [len(s.ids) - 1 for s in samples]
+        self.lens = torch.tensor(fed)
+        self.start = torch.cumsum(self.lens, 0) - self.lens  # [S]: first position of each sample
+        self.states = torch.cat([s.states[:n] for s, n in zip(samples, fed)]).to(device)  # [P, width] fp16
+        self.next_ids = torch.cat([torch.tensor(s.ids[1:]) for s in samples]).to(device)  # [P]
+        row_t = [torch.arange(len(s.top_ids)) + s.prompt_len - 2 for s in samples]  # as make_batch
+        keep = [t >= 0 for t in row_t]
+        self.row_count = torch.tensor([int(k.sum()) for k in keep])
+        self.row_start = torch.cumsum(self.row_count, 0) - self.row_count  # [S]
+        self.row_t = torch.cat([t[k] for t, k in zip(row_t, keep)]).to(device)  # [R]
+        ids = torch.cat([s.top_ids[k] for s, k in zip(samples, keep)]).long()  # [R, k] target ids
+        logp = torch.cat([s.top_logp[k] for s, k in zip(samples, keep)]).float()
+        draft_ids = t2d[ids]
+        self.teacher_ids = draft_ids.clamp(min=0).to(device)
+        self.teacher_p = (logp.exp() * (draft_ids >= 0)).to(device)
+        self.teacher_top1 = ids[:, 0].to(device)
+        self.device = device
+
+    def batch(self, idx: list[int]) -> Batch:
+        sel = torch.tensor(idx)
+        lens, T = self.lens[sel], int(self.lens[sel].max())
+        t = torch.arange(T)
+        valid = t[None, :] < lens[:, None]  # [B, T]
+        pos = torch.where(valid, self.start[sel][:, None] + t[None, :], 0).to(self.device)
+        valid = valid.to(self.device)
+        rows = torch.cat([torch.arange(a, a + n) for a, n in zip(self.row_start[sel].tolist(),
+                                                                  self.row_count[sel].tolist())]).to(self.device)
+        row_b = torch.repeat_interleave(torch.arange(len(idx)), self.row_count[sel]).to(self.device)
+        row_t = self.row_t[rows]
+        return Batch(self.states[pos].float() * valid[..., None], self.next_ids[pos] * valid, row_b * T + row_t,
+                     row_t, self.teacher_ids[rows], self.teacher_p[rows], self.teacher_top1[rows])
+
+
+def batches_of(samples, t2d: torch.Tensor, device) -> Callable[[list[int]], Batch]:
+    """idx -> Batch on `device`: padded on the CPU there, gathered on the device elsewhere."""
+    if torch.device(device).type == "cpu":
+        return lambda idx: make_batch([samples[i] for i in idx], t2d)
+    data = DeviceSamples(samples, t2d, device)
+    return data.batch
 
 
 def _shift(x: torch.Tensor, by: int) -> torch.Tensor:
@@ -147,8 +193,9 @@ class TrainPlan:
 def evaluate(head: FeatureHead, embed: torch.Tensor, samples, t2d: torch.Tensor, plan: TrainPlan) -> list[dict]:
     """Held-out metrics per unrolled step (= draft depth - 1), weighted by rows."""
     totals = [{"loss": 0.0, "top1": 0.0, "accept": 0.0, "rows": 0} for _ in range(plan.unroll)]
+    batch_of = batches_of(samples, t2d, plan.device)
     for idx in make_batches(samples, plan.batch_tokens, torch.Generator().manual_seed(0)):
-        batch = make_batch([samples[i] for i in idx], t2d).to(plan.device)
+        batch = batch_of(idx)
         for tot, m in zip(totals, step_losses(head, unroll(head, embed, batch, plan.unroll), batch)):
             for key in ("loss", "top1", "accept"):
                 tot[key] += float(m[key]) * m["rows"]
@@ -173,6 +220,7 @@ def train(head: FeatureHead, embed: torch.Tensor, samples, t2d: torch.Tensor, pl
     rng = torch.Generator().manual_seed(plan.seed + run["step"])
     started = time.monotonic()
     queue: list = []
+    batch_of = batches_of(samples, t2d, plan.device)
 
     def save():
         if state_path is not None:
@@ -185,7 +233,7 @@ def train(head: FeatureHead, embed: torch.Tensor, samples, t2d: torch.Tensor, pl
     while run["step"] < run["total"] and time.monotonic() < started + 60 * plan.minutes:
         if not queue:
             queue = make_batches(samples, plan.batch_tokens, rng)
-        batch = make_batch([samples[i] for i in queue.pop()], t2d).to(plan.device)
+        batch = batch_of(queue.pop())
         loss, metrics = _step(head, embed, batch, opt, plan, run)
         run["step"] += 1
         run["history"].append([run["step"], loss] + [m["top1"] for m in metrics])
@@ -209,10 +257,19 @@ def _step(head, embed, batch: Batch, opt, plan: TrainPlan, run: dict) -> tuple[f
     lr = plan.lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, step / total))))
     for g in opt.param_groups:
         g["lr"] = lr
-    metrics = step_losses(head, unroll(head, embed, batch, plan.unroll), batch)
-    loss = sum(plan.step_weight ** s * m["loss"] for s, m in enumerate(metrics))
+    with _autocast(plan.device):
+        metrics = step_losses(head, unroll(head, embed, batch, plan.unroll), batch)
+        loss = sum(plan.step_weight ** s * m["loss"] for s, m in enumerate(metrics))
     opt.zero_grad()
     loss.backward()
     torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
     opt.step()
     return float(loss.detach()), metrics
+
+
+def _autocast(device: str):
+    """bfloat16 matmuls on a GPU, as EAGLE's heads train (weights, optimizer state and the
+    softmaxes stay float32); float32 throughout on a CPU."""
+    if torch.device(device).type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
