@@ -72,7 +72,7 @@ def parse_args(argv=None):
                    help="where the teacher runs and the head trains")
     p.add_argument("--teacher", default="", choices=("", "engine", "hf"),
                    help="engine: this engine's batched decoding, cached and resumable (the default on cpu); "
-                        "hf: transformers' generate, two stages, uncached (the default on cuda)")
+                        "hf: transformers' generate, two stages, cached whole (the default on cuda)")
     p.add_argument("--passage-fraction", type=float, default=0.0,
                    help="hf teacher: this fraction of --prompts are tasks over the first stage's answers")
     p.add_argument("--ablation", default="", help="also train on these data fractions (e.g. 0.25,0.5): metrics only")
@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     plan = feature_data.TeacherPlan(tuple(int(x) for x in args.layers.split(",")), args.prompts, args.tokens,
                                     args.max_tokens, args.sampled_fraction, args.teacher_batch, args.seed)
     if args.teacher == "hf":
-        samples, seconds = feature_data.build_hf(target, plan, args.device, args.passage_fraction)
+        samples, seconds = feature_data.build_hf(target, Path(args.work), plan, args.device, args.passage_fraction)
     else:
         samples, seconds = feature_data.build(target, Path(args.work), plan, args.teacher_minutes)
     log.info("teacher data: %d answers, %d answer tokens, %.0f s of teacher time (%.1f min in all)",

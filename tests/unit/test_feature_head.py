@@ -278,6 +278,13 @@ def test_train_head_with_the_hf_teacher_writes_a_head_and_its_data_size_ablation
     assert info["ablation"][0]["answers"] == 5  # half of the 10 not held out
     assert "## Data size" in (out / "card.md").read_text()
     assert FeatureHead.load(out).config.target_layers == (0, 1)
+    cached = list((tmp_path / "work").glob("hf-*.pt"))
+    assert len(cached) == 1  # a second run on the same work directory reads the answers back
+    assert train_head.main(["--target", str(tiny_target), "--teacher", "hf", "--prompts", "12",
+                            "--passage-fraction", "0.3", "--max-tokens", "8", "--held-out", "2", "--steps", "4",
+                            "--batch-tokens", "256", "--layers", "0,1", "--work", str(tmp_path / "work"),
+                            "--out", str(tmp_path / "again")]) == 0
+    assert json.loads((tmp_path / "again" / "train-info.json").read_text())["teacher_seconds"] == info["teacher_seconds"]
 
 
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_1"])

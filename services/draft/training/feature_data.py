@@ -104,11 +104,18 @@ def _extend(target, work: Path, plan: TeacherPlan, done: dict, have: int, minute
     return total[0]
 
 
-def build_hf(target, plan: TeacherPlan, device: str, passage_fraction: float) -> tuple[list[teacher.Sample], float]:
+def build_hf(target, work: Path, plan: TeacherPlan, device: str,
+             passage_fraction: float) -> tuple[list[teacher.Sample], float]:
     """Teacher data on a CUDA machine (hf_teacher), in two stages: the template prompts (and some
     asking for text in another language), then `passage_fraction` of plan.prompts over their
-    answers (prompts.make_passage_prompts). Every prompt is answered (no token cap) and nothing
-    is cached: a GPU makes it in minutes. Returns the samples, stage one first, and the seconds."""
+    answers (prompts.make_passage_prompts). Every prompt is answered (no token cap); the whole
+    set is cached in one file under `work` (a GPU makes it in minutes, so no shards). Returns the
+    samples, stage one first, and the seconds they took."""
+    path = work / f"hf-{plan.key()}-n{plan.prompts}-b{plan.batch}-p{passage_fraction}.pt"
+    if path.exists():
+        cached = torch.load(path, weights_only=False)
+        log.info("teacher cache %s: %d answers", path, len(cached["samples"]))
+        return cached["samples"], cached["seconds"]
     started = time.monotonic()
     model = hf_teacher.load(target.path, device)
     second = round(passage_fraction * plan.prompts)
@@ -126,7 +133,11 @@ def build_hf(target, plan: TeacherPlan, device: str, passage_fraction: float) ->
             raise ValueError(f"only {len(passages)} first-stage answers of {long_enough}+ tokens "
                              "to build passages from")
         samples += _answer_hf(model, target, make_passage_prompts(passages, foreign_text, second, plan.seed), plan)
-    return samples, time.monotonic() - started
+    seconds = time.monotonic() - started
+    work.mkdir(parents=True, exist_ok=True)
+    torch.save({"samples": samples, "seconds": seconds}, path.with_suffix(".tmp"))
+    path.with_suffix(".tmp").rename(path)
+    return samples, seconds
 
 
 def _answer_hf(model, target, prompts: list[str], plan: TeacherPlan) -> list[teacher.Sample]:
