@@ -372,3 +372,20 @@ def test_device_batches_equal_the_padded_ones():
         want, got = head_trainer.make_batch([samples[i] for i in idx], t2d), data.batch(idx)
         for f in fields(want):
             assert torch.equal(getattr(got, f.name), getattr(want, f.name)), f.name
+
+
+def test_passage_prompts_quote_the_first_stage_and_name_its_language():
+    """The second stage's prompts carry a first-stage answer; a translation names the language
+    the answer was asked in; the same seed gives the same prompts."""
+    from services.draft.training.prompts import make_foreign_prompts, make_passage_prompts
+
+    foreign = [(f"texte numéro {i}", lang) for i, (_, lang) in enumerate(make_foreign_prompts(4, seed=2))]
+    passages = ["The first passage is about tides.", "The second passage is about bees."]
+    prompts = make_passage_prompts(passages, foreign, 200, seed=5)
+    assert prompts == make_passage_prompts(passages, foreign, 200, seed=5)
+    translations = [p for p in prompts if p.startswith("Translate ")]
+    assert translations and len(translations) < len(prompts)
+    for p in translations:
+        text = p.split(": ", 1)[1]
+        assert p == f"Translate {dict(foreign)[text]} to English: {text}"
+    assert all(any(x in p for x in passages) for p in prompts if p not in translations)

@@ -121,14 +121,14 @@ def build_hf(target, work: Path, plan: TeacherPlan, device: str,
     second = round(passage_fraction * plan.prompts)
     first = make_prompts(plan.prompts - second, seed=plan.seed)
     foreign = make_foreign_prompts(second // 8, seed=plan.seed) if second else []
-    samples = _answer_hf(model, target, first + foreign, plan)
+    samples = _answer_hf(model, target, first + [prompt for prompt, _ in foreign], plan)
     if second:
         def text(s):
             return target.tokenizer.decode(s.ids[s.prompt_len :], skip_special_tokens=True).strip()
 
         long_enough = min(48, plan.max_tokens // 2)
         passages = [text(s) for s in samples[: len(first)] if len(s.ids) - s.prompt_len >= long_enough]
-        foreign_text = [text(s) for s in samples[len(first) :]]
+        foreign_text = [(text(s), lang) for s, (_, lang) in zip(samples[len(first) :], foreign)]
         if len(passages) < 2:
             raise ValueError(f"only {len(passages)} first-stage answers of {long_enough}+ tokens "
                              "to build passages from")

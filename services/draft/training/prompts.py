@@ -179,23 +179,24 @@ QUESTIONS = ["What is this text about?", "Why does {topic} matter, according to 
              "Which details in the text are the most surprising?", "What can we learn about {topic}?"]
 
 
-def make_foreign_prompts(n: int, seed: int = 0) -> list[str]:
-    """n prompts asking for text in another language (their answers are translated back later)."""
+def make_foreign_prompts(n: int, seed: int = 0) -> list[tuple[str, str]]:
+    """n (prompt, language) asking for text in another language (translated back later)."""
     rng = random.Random(seed + 1)
-    return [rng.choice(FOREIGN_TEMPLATES).format(language=rng.choice(LANGUAGES), topic=rng.choice(TOPICS))
-            for _ in range(n)]
+    languages = [rng.choice(LANGUAGES) for _ in range(n)]
+    return [(rng.choice(FOREIGN_TEMPLATES).format(language=lang, topic=rng.choice(TOPICS)), lang)
+            for lang in languages]
 
 
-def make_passage_prompts(passages: list[str], foreign: list[str], n: int, seed: int = 0,
+def make_passage_prompts(passages: list[str], foreign: list[tuple[str, str]], n: int, seed: int = 0,
                          max_chars: int = 1500) -> list[str]:
-    """n prompts over the first stage's answers: `passages` (English) and `foreign` (another
-    language, to be translated: "Translate German to English: ..." as Spec-Bench asks)."""
+    """n prompts over the first stage's answers: `passages` (English) and `foreign` (text, its
+    language), to be translated as Spec-Bench asks ("Translate German to English: ...")."""
     rng = random.Random(seed + 2)
     out = []
     for _ in range(n):
         if foreign and rng.random() < 0.15:
-            language = rng.choice(["German", "French", "Spanish", "the following"])
-            out.append(f"Translate {language} to English: {rng.choice(foreign)[:max_chars]}")
+            text, language = rng.choice(foreign)
+            out.append(f"Translate {language} to English: {text[:max_chars]}")
             continue
         p1, p2 = rng.sample(passages, 2)
         question = rng.choice(QUESTIONS).format(topic=rng.choice(TOPICS))
