@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -181,11 +182,15 @@ def _resolve_draft(draft: str, target: LoadedModel) -> str:
 
 
 def _draft_label(draft: str) -> str:
-    if draft in ("none", "ngram", "self"):
-        return draft
+    """The configuration's name: its kind, and a checkpoint's folder where that is not the kind's
+    own name (two heads side by side: head_k4 and head_head2_k4)."""
+    if draft in ("none", "ngram", "self", "default"):
+        return "draft" if draft == "default" else draft
     if draft.endswith(HYBRID_SUFFIX):
         return "head_ngram"
-    return "head" if is_head_checkpoint(draft) else "draft"
+    kind = "head" if is_head_checkpoint(draft) else "draft"
+    folder = Path(draft).name if Path(draft).is_dir() else Path(draft).stem
+    return kind if folder == kind else f"{kind}_{folder}"
 
 
 @dataclass

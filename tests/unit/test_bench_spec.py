@@ -173,3 +173,17 @@ def test_adaptive_draft_length_reaches_the_engine(tiny_target):
     decoders = build_decoders(target, "ngram", [2, "adaptive"], peers=()).decoders
     assert [d.name for d in decoders] == ["plain", "ngram_k2", "ngram_adaptive"]
     assert decoders[2]._engine.config.draft_length == "adaptive"
+
+
+def test_two_heads_side_by_side_get_their_folders_in_their_names(tmp_path, tiny_target):
+    """Configuration names: a checkpoint's kind, plus its folder where that is not the kind's name."""
+    from services.bench.decoders import _draft_label
+    from services.common.loading import load_model
+    from tests import tiny
+
+    for folder in ("head", "head2"):
+        tiny.make_head(load_model(str(tiny_target))).save(tmp_path / folder)
+    assert _draft_label(str(tmp_path / "head")) == "head"
+    assert _draft_label(str(tmp_path / "head2")) == "head_head2"
+    assert _draft_label(str(tmp_path / "head2") + "+ngram") == "head_ngram"
+    assert [_draft_label(d) for d in ("ngram", "none", "default")] == ["ngram", "none", "draft"]
