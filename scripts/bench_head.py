@@ -60,7 +60,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     target = load_model("default")
-    embed = load_weights(target.path, skip=set())["model.embed_tokens.weight"]
+    embed = load_weights(target.path)["model.embed_tokens.weight"]
     ids = torch.randint(100, 20000, (args.context + 1,), generator=torch.Generator().manual_seed(0)).tolist()
     layers = tuple(FeatureHead.load(Path(args.head)).config.target_layers)
     cache = target.model.new_cache(len(ids) + 2)

@@ -49,19 +49,27 @@ def make_batch(samples, t2d: torch.Tensor) -> Batch:
         n = len(s.ids) - 1
         states[b, :n] = s.states[:n].float()
         next_ids[b, :n] = torch.tensor(s.ids[1:])
-        # teacher row r is at position prompt_len - 1 + r and gives x_{prompt_len + r}, which the
-        # head predicts from position t = prompt_len - 2 + r
-        t = torch.arange(len(s.top_ids)) + s.prompt_len - 2
-        keep = t >= 0
-        rows.append(b * T + t[keep])
-        row_t.append(t[keep])
-        ids.append(s.top_ids[keep].long())
-        logp.append(s.top_logp[keep].float())
-    ids, logp = torch.cat(ids), torch.cat(logp)
+        t, i, lp = _teacher_rows(s)
+        rows.append(b * T + t)
+        row_t.append(t)
+        ids.append(i)
+        logp.append(lp)
+    return Batch(states, next_ids, torch.cat(rows), torch.cat(row_t), *_targets(torch.cat(ids), torch.cat(logp), t2d))
+
+
+def _teacher_rows(s) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A sample's teacher rows the head learns from: (t [r], target ids [r, k] long, logp [r, k]).
+    Row r is at position prompt_len - 1 + r and gives x_{prompt_len + r}, which the head predicts
+    from position t = prompt_len - 2 + r (t >= 0 only)."""
+    t = torch.arange(len(s.top_ids)) + s.prompt_len - 2
+    keep = t >= 0
+    return t[keep], s.top_ids[keep].long(), s.top_logp[keep].float()
+
+
+def _targets(ids: torch.Tensor, logp: torch.Tensor, t2d: torch.Tensor):
+    """Target ids [R, k] and log-probabilities -> Batch's teacher_ids, teacher_p, teacher_top1."""
     draft_ids = t2d[ids]
-    kept = draft_ids >= 0
-    return Batch(states, next_ids, torch.cat(rows), torch.cat(row_t), draft_ids.clamp(min=0),
-                 logp.exp() * kept, ids[:, 0])
+    return draft_ids.clamp(min=0), logp.exp() * (draft_ids >= 0), ids[:, 0]
 
 
 class DeviceSamples:
@@ -75,17 +83,12 @@ class DeviceSamples:
         self.start = torch.cumsum(self.lens, 0) - self.lens  # [S]: first position of each sample
         self.states = torch.cat([s.states[:n] for s, n in zip(samples, fed)]).to(device)  # [P, width] fp16
         self.next_ids = torch.cat([torch.tensor(s.ids[1:]) for s in samples]).to(device)  # [P]
-        row_t = [torch.arange(len(s.top_ids)) + s.prompt_len - 2 for s in samples]  # as make_batch
-        keep = [t >= 0 for t in row_t]
-        self.row_count = torch.tensor([int(k.sum()) for k in keep])
+        row_t, ids, logp = zip(*[_teacher_rows(s) for s in samples])
+        self.row_count = torch.tensor([len(t) for t in row_t])
         self.row_start = torch.cumsum(self.row_count, 0) - self.row_count  # [S]
-        self.row_t = torch.cat([t[k] for t, k in zip(row_t, keep)]).to(device)  # [R]
-        ids = torch.cat([s.top_ids[k] for s, k in zip(samples, keep)]).long()  # [R, k] target ids
-        logp = torch.cat([s.top_logp[k] for s, k in zip(samples, keep)]).float()
-        draft_ids = t2d[ids]
-        self.teacher_ids = draft_ids.clamp(min=0).to(device)
-        self.teacher_p = (logp.exp() * (draft_ids >= 0)).to(device)
-        self.teacher_top1 = ids[:, 0].to(device)
+        self.row_t = torch.cat(row_t).to(device)  # [R]
+        targets = _targets(torch.cat(ids), torch.cat(logp), t2d)
+        self.teacher_ids, self.teacher_p, self.teacher_top1 = (x.to(device) for x in targets)
         self.device = device
 
     def batch(self, idx: list[int]) -> Batch:
