@@ -73,6 +73,8 @@ def parse_args(argv=None):
     p.add_argument("--teacher", default="", choices=("", "engine", "hf"),
                    help="engine: this engine's batched decoding, cached and resumable (the default on cpu); "
                         "hf: transformers' generate, two stages, cached whole (the default on cuda)")
+    p.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16"),
+                   help="training matmuls (auto: bf16 on a GPU, the faster of the two, timed, on a CPU)")
     p.add_argument("--passage-fraction", type=float, default=0.0,
                    help="hf teacher: this fraction of --prompts are tasks over the first stage's answers")
     p.add_argument("--ablation", default="", help="also train on these data fractions (e.g. 0.25,0.5): metrics only")
@@ -126,7 +128,8 @@ def train_head(args, target, samples) -> dict:
     config = HeadConfig.for_target(target.config, layers, len(kept), args.target, vocabulary_digest(target.tokenizer))
     embed = weights["model.embed_tokens.weight"].float().to(args.device)
     plan = head_trainer.TrainPlan(args.steps, args.unroll, args.lr, args.batch_tokens, args.seed,
-                                  minutes=args.train_minutes, device=args.device)
+                                  minutes=args.train_minutes, device=args.device,
+                                  precision=args.precision)
     dev = dev_samples(args, target, layers) if args.eval_questions else []
 
     def fresh() -> FeatureHead:
@@ -147,7 +150,8 @@ def train_head(args, target, samples) -> dict:
                    "held_out": head_trainer.evaluate(head, embed, held_out, t2d, plan),
                    "dev": head_trainer.evaluate(head, embed, dev, t2d, plan) if dev else []}
         log.info("trained on %.2f of the data: %s", fraction, metrics)
-        return head, train_set, {**metrics, "seconds": result["seconds"], "history": result["history"]}
+        return head, train_set, {**metrics, "seconds": result["seconds"], "history": result["history"],
+                                 "precision": result["precision"]}
 
     Path(args.work).mkdir(parents=True, exist_ok=True)
     before = head_trainer.evaluate(fresh(), embed, held_out, t2d, plan)
@@ -164,7 +168,7 @@ def train_head(args, target, samples) -> dict:
             "init": args.init, "unroll": args.unroll, "steps": result["steps"], "lr": args.lr,
             "batch_tokens": args.batch_tokens, "train_seconds": result["seconds"], "before": before,
             "after": result["held_out"], "dev": result["dev"], "ablation": ablation, "history": result["history"],
-            "device": args.device, "passage_fraction": args.passage_fraction,
+            "device": args.device, "precision": result["precision"], "passage_fraction": args.passage_fraction,
             "bytes": sum(f.stat().st_size for f in Path(args.out).iterdir() if f.is_file())}
 
 
@@ -205,7 +209,8 @@ An EAGLE-3-style head (services/draft/feature_head.py): the target's states afte
 - Objective: cross-entropy to the target's top-32 distribution (over the head's ids), with
   training-time test: {info['unroll']} unrolled steps, step s reading the head's own output states
   (loss weight 0.8^s). AdamW, lr {info['lr']}, warmup + cosine, {info['steps']} steps of about
-  {info['batch_tokens']} padded positions. Training time: {info['train_seconds']:.0f} s.
+  {info['batch_tokens']} padded positions, matmuls in {info.get('precision', 'fp32')}. Training time:
+  {info['train_seconds']:.0f} s.
 - Held out, per draft depth (top-1: the head's argmax is the target's; accept: sum min(p, q) over
   the target's top-32 at T = 1, both with the true tokens before it):
 

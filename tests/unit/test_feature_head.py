@@ -1,6 +1,8 @@
 """The feature-level head on a tiny target: training-time test computes what serving computes,
 the engine stays the target's greedy decoding with it, and bad or missing states are handled."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -114,9 +116,10 @@ def test_missing_states_propose_nothing_until_they_arrive(target):
     assert seq.scratch.slots == 4 and seq.scratch.last == 10
 
 
-def test_trained_head_beats_its_start(target):
-    """Teacher data with states, a few training steps: held-out agreement rises, the checkpoint
-    round-trips through the loader with the vocabulary check."""
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_trained_head_beats_its_start(target, precision):
+    """Teacher data with states, a few training steps (float32 or bf16 autocast matmuls): held-out
+    agreement rises."""
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, 64, (6,), generator=gen).tolist() for _ in range(24)]
     samples = teacher.generate(target.model, prompts, [0.0] * 24, (), 24, top_k=8, batch=8, state_layers=LAYERS)
@@ -126,12 +129,24 @@ def test_trained_head_beats_its_start(target):
     head = tiny.make_head(target)
     embed = load_weights(target.path)["model.embed_tokens.weight"]
     t2d = torch.arange(target.config.vocab_size)
-    plan = head_trainer.TrainPlan(steps=60, unroll=2, lr=3e-3, batch_tokens=256, seed=0)
+    plan = head_trainer.TrainPlan(steps=60, unroll=2, lr=3e-3, batch_tokens=256, seed=0, precision=precision)
     before = head_trainer.evaluate(head, embed, samples[:4], t2d, plan)
-    head_trainer.train(head, embed, samples[4:], t2d, plan)
+    assert head_trainer.train(head, embed, samples[4:], t2d, plan)["precision"] == precision
     after = head_trainer.evaluate(head, embed, samples[:4], t2d, plan)
     assert after[0]["loss"] < before[0]["loss"] and after[0]["top1"] > before[0]["top1"]
     assert after[1]["loss"] < before[1]["loss"]
+
+
+def test_auto_precision_times_both_and_leaves_no_gradients(target):
+    head = tiny.make_head(target)
+    embed = load_weights(target.path)["model.embed_tokens.weight"]
+    samples = teacher.generate(target.model, [[5, 6, 7, 8]] * 2, [0.0] * 2, (), 8, top_k=8, state_layers=LAYERS)
+    batch = head_trainer.make_batch(samples, torch.arange(target.config.vocab_size))
+    plan = head_trainer.TrainPlan(steps=1, unroll=2, lr=1e-3, batch_tokens=64, seed=0)
+    assert head_trainer.choose_precision(head, embed, batch, plan) in ("fp32", "bf16")
+    assert all(p.grad is None for p in head.parameters())
+    for given in ("fp32", "bf16"):  # an explicit choice is kept untimed
+        assert head_trainer.choose_precision(head, embed, batch, replace(plan, precision=given)) == given
 
 
 def test_checkpoint_round_trip_and_vocabulary_check(target, tmp_path, tiny_target):

@@ -190,6 +190,7 @@ class TrainPlan:
     step_weight: float = 0.8  # loss weight of unrolled step s: step_weight ** s
     minutes: float = 60.0  # training budget of this run (stops early, keeps its state)
     device: str = "cpu"  # where the head trains (the samples stay on the CPU; batches move)
+    precision: str = "auto"  # matmuls in fp32 or bf16 (autocast); auto: choose_precision
 
 
 @torch.no_grad()
@@ -220,10 +221,14 @@ def train(head: FeatureHead, embed: torch.Tensor, samples, t2d: torch.Tensor, pl
         opt.load_state_dict(saved["opt"])
         run = saved["run"]
         log.info("resumed training at step %d of %d (%.0f s so far)", run["step"], run["total"], run["seconds"])
+    batch_of = batches_of(samples, t2d, plan.device)
+    if "precision" not in run:
+        first = make_batches(samples, plan.batch_tokens, torch.Generator().manual_seed(plan.seed))[0]
+        run["precision"] = choose_precision(head, embed, batch_of(first), plan)
+        log.info("training in %s", run["precision"])
     rng = torch.Generator().manual_seed(plan.seed + run["step"])
     started = time.monotonic()
     queue: list = []
-    batch_of = batches_of(samples, t2d, plan.device)
 
     def save():
         if state_path is not None:
@@ -250,7 +255,8 @@ def train(head: FeatureHead, embed: torch.Tensor, samples, t2d: torch.Tensor, pl
             save()
     save()
     head.eval()
-    return {"steps": run["step"], "seconds": run["seconds"] + time.monotonic() - started, "history": run["history"]}
+    return {"steps": run["step"], "seconds": run["seconds"] + time.monotonic() - started, "history": run["history"],
+            "precision": run["precision"]}
 
 
 def _step(head, embed, batch: Batch, opt, plan: TrainPlan, run: dict) -> tuple[float, list[dict]]:
@@ -260,7 +266,7 @@ def _step(head, embed, batch: Batch, opt, plan: TrainPlan, run: dict) -> tuple[f
     lr = plan.lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, step / total))))
     for g in opt.param_groups:
         g["lr"] = lr
-    with _autocast(plan.device):
+    with _autocast(plan.device, run["precision"]):
         metrics = step_losses(head, unroll(head, embed, batch, plan.unroll), batch)
         loss = sum(plan.step_weight ** s * m["loss"] for s, m in enumerate(metrics))
     opt.zero_grad()
@@ -270,9 +276,29 @@ def _step(head, embed, batch: Batch, opt, plan: TrainPlan, run: dict) -> tuple[f
     return float(loss.detach()), metrics
 
 
-def _autocast(device: str):
-    """bfloat16 matmuls on a GPU, as EAGLE's heads train (weights, optimizer state and the
-    softmaxes stay float32); float32 throughout on a CPU."""
-    if torch.device(device).type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
+def choose_precision(head: FeatureHead, embed: torch.Tensor, batch: Batch, plan: TrainPlan) -> str:
+    """plan.precision, or for "auto": bf16 on a GPU (as EAGLE's heads train); on a CPU whichever of
+    fp32 and bf16 runs a forward and backward of `batch` faster, each timed twice (bf16 wins where
+    the CPU has bf16 dot products, and loses where torch emulates them)."""
+    if plan.precision != "auto":
+        return plan.precision
+    if torch.device(plan.device).type == "cuda":
+        return "bf16"
+    best: dict[str, float] = {}
+    for precision in ("fp32", "bf16") * 2:
+        started = time.perf_counter()
+        with _autocast(plan.device, precision):
+            loss = sum(m["loss"] for m in step_losses(head, unroll(head, embed, batch, plan.unroll), batch))
+        loss.backward()
+        best[precision] = min(best.get(precision, math.inf), time.perf_counter() - started)
+    head.zero_grad(set_to_none=True)
+    log.info("a training step's forward and backward: %s", ", ".join(f"{k} {v:.2f} s" for k, v in best.items()))
+    return min(best, key=best.get)
+
+
+def _autocast(device: str, precision: str):
+    """bf16 matmuls under autocast (weights, optimizer state and the softmaxes stay float32), or
+    float32 throughout."""
+    if precision == "bf16":
+        return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
