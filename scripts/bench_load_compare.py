@@ -40,11 +40,14 @@ PORTS_PER_STACK = 10  # gateway gRPC, scheduler, draft, verifier, HTTP, Redis at
 
 
 WHOLE = "/whole"  # a setting's suffix: prompts join whole (SPECSERVE_TARGET_ITL_MS=0, no chunked prefill)
+DRAFT_SEP = "@"  # a setting's draft, before its length: models/head@adaptive (else SPECSERVE_DRAFT's)
 
 
 def stack_env(setting: str, base: int, run_dir: Path) -> dict[str, str]:
-    env = dict(os.environ, SPECSERVE_DRAFT_LENGTH=setting.removesuffix(WHOLE), SPECSERVE_RUN_DIR=str(run_dir),
-               SPECSERVE_METRICS_PORT="0")
+    draft, _, length = setting.removesuffix(WHOLE).rpartition(DRAFT_SEP)
+    env = dict(os.environ, SPECSERVE_DRAFT_LENGTH=length, SPECSERVE_RUN_DIR=str(run_dir), SPECSERVE_METRICS_PORT="0")
+    if draft:
+        env["SPECSERVE_DRAFT"] = draft
     if setting.endswith(WHOLE):
         env["SPECSERVE_TARGET_ITL_MS"] = "0"
     for i, role in enumerate(("GATEWAY", "SCHEDULER", "DRAFT", "VERIFIER", "HTTP", "REDIS")):
@@ -60,7 +63,7 @@ def start_stacks(settings: list[str], out: Path, port_base: int, timeout_s: floa
     urls = []
     for i, setting in enumerate(settings):
         base = port_base + PORTS_PER_STACK * i
-        run_dir = (out / f"stack-{setting.replace('/', '-')}").resolve()
+        run_dir = (out / f"stack-{setting.replace('/', '-').replace(DRAFT_SEP, '-')}").resolve()
         run_dir.mkdir(parents=True, exist_ok=True)
         log = run_dir / "launcher.log"
         with open(log, "w") as f:
@@ -185,7 +188,8 @@ def table(result: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--settings", default="0,2,4,adaptive",
-                    help=f"comma-separated draft lengths (0 = plain), each may end in {WHOLE}: no chunked prefill")
+                    help=f"comma-separated draft lengths (0 = plain), each may start with a draft and {DRAFT_SEP} "
+                         f"(models/head{DRAFT_SEP}adaptive) and end in {WHOLE}: no chunked prefill")
     ap.add_argument("--concurrency", default="8,16")
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3, help="rounds")

@@ -165,6 +165,20 @@ def test_load_compare_ratios_are_medians_of_paired_rounds():
     assert "| 8 | 100.0 | 110.0 (1.10x) |" in table(result)
 
 
+def test_load_compare_settings_name_a_draft_and_whole_prompts(tmp_path, monkeypatch):
+    from scripts.bench_load_compare import stack_env
+
+    monkeypatch.setenv("SPECSERVE_DRAFT", "ngram")
+    monkeypatch.delenv("SPECSERVE_TARGET_ITL_MS", raising=False)
+    head = stack_env("models/head@adaptive/whole", 51000, tmp_path)
+    assert (head["SPECSERVE_DRAFT"], head["SPECSERVE_DRAFT_LENGTH"], head["SPECSERVE_TARGET_ITL_MS"]) == \
+        ("models/head", "adaptive", "0")
+    assert head["SPECSERVE_DRAFT_PORT"] == "51002"
+    plain = stack_env("4", 51000, tmp_path)  # no draft named: the environment's
+    assert (plain["SPECSERVE_DRAFT"], plain["SPECSERVE_DRAFT_LENGTH"]) == ("ngram", "4")
+    assert "SPECSERVE_TARGET_ITL_MS" not in plain
+
+
 def _closed_port_url() -> str:
     with socket.socket() as sock:  # bound, then closed: nothing listens there
         sock.bind(("127.0.0.1", 0))
