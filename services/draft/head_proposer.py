@@ -13,7 +13,8 @@ regains it as states arrive).
 Tree shape and sampling: services/draft/tree_growth.py, on the head's reduced vocabulary (its
 `d2t` map gives each column's target id; q is zero outside it, which rejection sampling allows).
 Greedy trees carry the head's probability of each node's token as its confidence (EAGLE-2's
-estimate of its acceptance given its parent's), which the scheduler's trim calibrates and uses.
+estimate of its acceptance given its parent's), which the scheduler's trim calibrates and uses,
+and stop a level early when the last level's path probabilities are too small to pay for it.
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ from services.draft.proposer import ProposeItem, Proposer
 from services.draft.tree_growth import Growth, distributions, grow
 
 CACHE_HEADROOM = 64
+# A greedy tree stops growing once its last level's path probabilities sum below this: the next
+# level could add no more expected tokens than that, and drafting a level costs a few percent of
+# a target step (EAGLE-2's confidence-bounded trees).
+MIN_LEVEL_MASS = 0.05
 
 
 @dataclass
@@ -40,6 +45,7 @@ class _HeadState:
     out: torch.Tensor | None = None  # [hidden]: the head's output state at `last`
     tree_fed: int = 0  # this step's tree nodes with a slot (after the committed ones)
     node_out: list = field(default_factory=list)  # output state [hidden] of each fed tree node
+    held: list = field(default_factory=list)  # HiddenStates of steps it did not draft (hold), fed next time
 
 
 @dataclass
@@ -59,12 +65,12 @@ class HeadProposer(Proposer):
     name = "head"
 
     def __init__(self, head: FeatureHead, embed: torch.Tensor, vocab_size: int, branch: int = 4,
-                 q_support: int = 32):
+                 q_support: int = 32, min_level_mass: float = MIN_LEVEL_MASS):
         self.head = head.eval().requires_grad_(False)
         self.head.prepare_serving()
         self.embed = embed.float()  # [target vocab, hidden]: the target's token embedding
         self.vocab_size = vocab_size
-        self.branch, self.q_support = branch, q_support
+        self.branch, self.q_support, self.min_level_mass = branch, q_support, min_level_mass
         self.feature_layers = tuple(head.config.target_layers)
         self.max_positions = head.config.max_positions
         self.width = head.config.state_size
@@ -127,7 +133,8 @@ class HeadProposer(Proposer):
     def _committed_part(self, it: ProposeItem, st: _HeadState) -> _Part | None:
         """The rows of the positions whose states arrived (and are new), or None."""
         seq, rows, positions = it.seq, [], []
-        for hs in it.states:
+        held, st.held = st.held + list(it.states), []
+        for hs in held:
             hs.check(self.width)
             first = max(hs.start, st.last + 1, len(positions) and positions[-1] + 1)
             # position t reads the token after it, so it must be committed: t <= len(tokens) - 2
@@ -141,6 +148,13 @@ class HeadProposer(Proposer):
         mask = torch.cat([torch.ones(n, st.slots, dtype=torch.bool), torch.ones(n, n, dtype=torch.bool).tril()], 1)
         state = self.head.fuse_states(torch.cat(rows))
         return _Part(seq.cache, state, [seq.tokens[t + 1] for t in positions], positions, mask, st.slots, NO_MASK)
+
+    def hold(self, items: list[ProposeItem]) -> None:
+        """Keep these items' states for each request's next draft without drafting now (the
+        hybrid took the n-gram's tree): one forward then feeds every held position at once."""
+        for it in items:
+            if it.states:
+                self._state(it.seq).held.extend(it.states)
 
     def propose(self, items: list[ProposeItem]) -> list[DraftTree]:
         items = [it if it.tree_size <= MAX_TREE_NODES else replace(it, tree_size=MAX_TREE_NODES) for it in items]
@@ -166,7 +180,8 @@ class HeadProposer(Proposer):
             grown = [(w, grow(w, *d, self.branch, confidence=True)) for w, d in zip(works, dists)]
             depth += 1
             works = [(w, new) for w, new in grown
-                     if new and depth <= w.item.draft_length and len(w.tree) < w.item.tree_size]
+                     if new and depth <= w.item.draft_length and len(w.tree) < w.item.tree_size
+                     and (not w.item.seq.params.greedy or sum(v for _, v in w.frontier) >= self.min_level_mass)]
             if not works:
                 return
             outs = self._forward([self._tree_part(w, new) for w, new in works])

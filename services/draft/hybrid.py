@@ -4,8 +4,10 @@ Per request and step, the n-gram's tree when its best match is long (a verbatim 
 would have to predict token by token), else the head's: the n-gram's confidence of its first
 token is the length-weighted share of its matches (services/draft/ngram.py), 0.9 from a match of
 9 tokens on, where its first proposed token was right 93-98% of the time. The choice depends on
-the context alone (never on what the head sampled), so the proposal's q stays exact. The head
-runs every step either way: it must read the target's states as they arrive.
+the context alone (never on what the head sampled), so the proposal's q stays exact. The n-gram
+decides first: on its steps the head drafts nothing and only holds the target's states, which it
+reads in one forward at its next draft (a long verbatim match may plan k = 16, which the head
+would otherwise draft level by level for nothing).
 """
 
 from __future__ import annotations
@@ -28,11 +30,15 @@ class HybridProposer(Proposer):
         self.chosen = {"head": 0, "ngram": 0}  # trees proposed by each, for tests and logs
 
     def propose(self, items: list[ProposeItem]) -> list[DraftTree]:
-        heads, grams = self.head.propose(items), self.ngram.propose(items)
+        grams = self.ngram.propose(items)
+        long = [max((c for c, p in zip(g.confidence, g.parents) if p < 0), default=0.0) >= self.long_match
+                for g in grams]
+        self.head.hold([it for it, use in zip(items, long) if use])
+        heads = iter(self.head.propose([it for it, use in zip(items, long) if not use]))
         out = []
-        for h, g in zip(heads, grams):
-            first = max((c for c, p in zip(g.confidence, g.parents) if p < 0), default=0.0)
-            use_ngram = first >= self.long_match or not len(h)
+        for g, use in zip(grams, long):
+            h = None if use else next(heads)
+            use_ngram = h is None or not len(h)
             self.chosen["ngram" if use_ngram else "head"] += 1
             out.append(g if use_ngram else h)
         return out

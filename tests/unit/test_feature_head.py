@@ -12,6 +12,7 @@ from services.common.sampling import SamplingParams, warp_probs
 from services.common.sequence import Sequence
 from services.common.vocab import VocabularyMismatch
 from services.draft.factory import build_head_proposer
+from services.draft.head_proposer import HeadProposer
 from services.draft.proposer import ProposeItem
 from services.draft.training import head_trainer, teacher
 from services.scheduler.core import StepConfig
@@ -114,6 +115,43 @@ def test_missing_states_propose_nothing_until_they_arrive(target):
     tree = proposer.propose([ProposeItem(seq, 2, 2, [HiddenStates(7, states[7:11])])])[0]
     assert len(tree) == 2
     assert seq.scratch.slots == 4 and seq.scratch.last == 10
+
+
+def test_held_states_are_fed_at_the_next_draft_as_if_fed_every_step(target):
+    """The hybrid's n-gram steps: the head holds the states it gets and drafts nothing; at its next
+    draft it reads them all, and drafts what a head fed at every step drafts."""
+    head = tiny.make_head(target)
+    ids = list(range(5, 21))
+    states = target_states(target, ids).half()
+    every, held = tiny.head_proposer(target, head), tiny.head_proposer(target, head)
+    a = Sequence("a", SamplingParams(max_tokens=4), None, tokens=ids[:8])
+    b = Sequence("b", SamplingParams(max_tokens=4), None, tokens=ids[:8])
+    first = [HiddenStates(0, states[:7])]
+    every.propose([ProposeItem(a, 2, 2, first)])
+    held.hold([ProposeItem(b, 2, 2, first)])
+    assert b.scratch.slots == 0 and len(b.scratch.held) == 1
+    for end in (10, 13):  # two more steps: 2 and 3 committed tokens
+        a.tokens, b.tokens = ids[:end], ids[:end]
+        more = [HiddenStates(len(a.tokens) - (3 if end == 10 else 4), states[end - (3 if end == 10 else 4) : end - 1])]
+        tree_a = every.propose([ProposeItem(a, 2, 2, more)])[0]
+        if end == 10:
+            held.hold([ProposeItem(b, 2, 2, more)])
+    tree_b = held.propose([ProposeItem(b, 2, 2, more)])[0]
+    assert (b.scratch.slots, b.scratch.last, b.scratch.held) == (a.scratch.slots, a.scratch.last, [])
+    assert tree_b.tokens == tree_a.tokens and len(tree_b) == 2
+
+
+def test_a_greedy_tree_stops_where_its_levels_cannot_pay(target):
+    head = tiny.make_head(target)
+    ids = list(range(5, 15))
+    states = [HiddenStates(0, target_states(target, ids).half()[:9])]
+    sizes = {}
+    for mass in (0.0, 1.01):  # never stop; stop after the first level (a level's mass is at most 1)
+        proposer = HeadProposer(head, load_weights(target.path)["model.embed_tokens.weight"],
+                                target.config.vocab_size, min_level_mass=mass)
+        seq = Sequence("r", SamplingParams(max_tokens=8), None, tokens=list(ids))
+        sizes[mass] = len(proposer.propose([ProposeItem(seq, 4, 8, states)])[0])
+    assert sizes == {0.0: 8, 1.01: 2}
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
