@@ -143,8 +143,9 @@ LATENCIES = ("requests_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99
 
 
 def _label(setting: str) -> str:
-    k = setting.removesuffix(WHOLE)
-    return (f"k = {k}" if k != "adaptive" else k) + (", whole prompts" if setting.endswith(WHOLE) else "")
+    draft, _, k = setting.removesuffix(WHOLE).rpartition(DRAFT_SEP)
+    return ((f"{draft} " if draft else "") + (f"k = {k}" if k != "adaptive" else k)
+            + (", whole prompts" if setting.endswith(WHOLE) else ""))
 
 
 def latency_table(result: dict) -> str:
@@ -168,9 +169,10 @@ def table(result: dict) -> str:
     settings, s = result["settings_list"], result["load"]
     summary = summarize(result)
     errors = sum(v["errors"] for lv in summary.values() for v in lv.values())
-    lines = [f"Output tokens/s through the gateway, one stack per draft length (SPECSERVE_DRAFT_LENGTH; 0 = plain "
-             f"decoding), all stacks up at once and measured in turn, {s['repeats']} rounds in rotating order; "
-             f"n-gram draft, {s['requests']} streamed chat requests per level and round, max {s['max_tokens']} "
+    lines = [f"Output tokens/s through the gateway, one stack per setting (a draft length, SPECSERVE_DRAFT_LENGTH; "
+             f"0 = plain decoding), all stacks up at once and measured in turn, {s['repeats']} rounds in rotating "
+             f"order; the draft a setting names before {DRAFT_SEP}, else the n-gram, {s['requests']} streamed "
+             f"chat requests per level and round, max {s['max_tokens']} "
              f"tokens, temperature {s['temperature']:g}; median over rounds, (x) the median of the per-round "
              f"ratios to plain decoding; {errors} errors in all. {stamp(result['meta'])}.", "",
              "| concurrency | " + " | ".join(_label(k) for k in settings) + " |",
