@@ -147,3 +147,17 @@ def native(loaded, layer_kind: str = "Q4_1", embed_kind: str = "Q8_0"):
     rest = {n: w for n, w in weights.items() if n not in blocks}
     model = LlamaModel(loaded.config, rest, torch.device("cpu"), torch.float32, blocks)
     return dataclasses.replace(loaded, model=model)
+
+
+def target_states(loaded, ids: list[int], layers=(0, 1)) -> torch.Tensor:
+    """The loaded target's states of every position of ids: [len(ids), layers * hidden]."""
+    model = loaded.model
+    _, states = model.forward_states([tiny_chunk(model, ids)], layers)
+    return states[0]
+
+
+def tiny_chunk(model, ids):
+    """One chunk feeding ids from position 0 into a fresh cache (logits of the last row)."""
+    from services.common.llama import Chunk
+
+    return Chunk(model.new_cache(len(ids) + 4), ids, list(range(-1, len(ids) - 1)), logits_from=len(ids) - 1)

@@ -1,8 +1,6 @@
 """The feature-level head on a tiny target: training-time test computes what serving computes,
 the engine stays the target's greedy decoding with it, and bad or missing states are handled."""
 
-from dataclasses import replace
-
 import pytest
 import torch
 
@@ -18,6 +16,7 @@ from services.draft.training import head_trainer, teacher
 from services.scheduler.core import StepConfig
 from services.scheduler.engine import Engine
 from tests import tiny
+from tests.tiny import target_states, tiny_chunk
 
 LAYERS = (0, 1)
 
@@ -25,19 +24,6 @@ LAYERS = (0, 1)
 @pytest.fixture(scope="module")
 def target(tiny_target):
     return load_model(str(tiny_target))
-
-
-def target_states(target, ids: list[int]) -> torch.Tensor:
-    """The target's states of every position of ids: [len(ids), layers * hidden]."""
-    model = target.model
-    _, states = model.forward_states([tiny_chunk(model, ids)], LAYERS)
-    return states[0]
-
-
-def tiny_chunk(model, ids):
-    from services.common.llama import Chunk
-
-    return Chunk(model.new_cache(len(ids) + 4), ids, list(range(-1, len(ids) - 1)), logits_from=len(ids) - 1)
 
 
 @pytest.mark.parametrize("greedy", [True, False])
@@ -154,39 +140,6 @@ def test_a_greedy_tree_stops_where_its_levels_cannot_pay(target):
     assert sizes == {0.0: 8, 1.01: 2}
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_trained_head_beats_its_start(target, precision):
-    """Teacher data with states, a few training steps (float32 or bf16 autocast matmuls): held-out
-    agreement rises."""
-    gen = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(3, 64, (6,), generator=gen).tolist() for _ in range(24)]
-    samples = teacher.generate(target.model, prompts, [0.0] * 24, (), 24, top_k=8, batch=8, state_layers=LAYERS)
-    # decoding recorded the same states a teacher-forced forward computes
-    s = samples[0]
-    assert torch.allclose(s.states.float(), target_states(target, s.ids[:-1]).half().float(), atol=1e-2)
-    head = tiny.make_head(target)
-    embed = load_weights(target.path)["model.embed_tokens.weight"]
-    t2d = torch.arange(target.config.vocab_size)
-    plan = head_trainer.TrainPlan(steps=60, unroll=2, lr=3e-3, batch_tokens=256, seed=0, precision=precision)
-    before = head_trainer.evaluate(head, embed, samples[:4], t2d, plan)
-    assert head_trainer.train(head, embed, samples[4:], t2d, plan)["precision"] == precision
-    after = head_trainer.evaluate(head, embed, samples[:4], t2d, plan)
-    assert after[0]["loss"] < before[0]["loss"] and after[0]["top1"] > before[0]["top1"]
-    assert after[1]["loss"] < before[1]["loss"]
-
-
-def test_auto_precision_times_both_and_leaves_no_gradients(target):
-    head = tiny.make_head(target)
-    embed = load_weights(target.path)["model.embed_tokens.weight"]
-    samples = teacher.generate(target.model, [[5, 6, 7, 8]] * 2, [0.0] * 2, (), 8, top_k=8, state_layers=LAYERS)
-    batch = head_trainer.make_batch(samples, torch.arange(target.config.vocab_size))
-    plan = head_trainer.TrainPlan(steps=1, unroll=2, lr=1e-3, batch_tokens=64, seed=0)
-    assert head_trainer.choose_precision(head, embed, batch, plan) in ("fp32", "bf16")
-    assert all(p.grad is None for p in head.parameters())
-    for given in ("fp32", "bf16"):  # an explicit choice is kept untimed
-        assert head_trainer.choose_precision(head, embed, batch, replace(plan, precision=given)) == given
-
-
 def test_checkpoint_round_trip_and_vocabulary_check(target, tmp_path, tiny_target):
     head = tiny.make_head(target)
     head.save(tmp_path / "head")
@@ -197,26 +150,6 @@ def test_checkpoint_round_trip_and_vocabulary_check(target, tmp_path, tiny_targe
     other = tiny.make_checkpoint(tmp_path / "other", seed=1, rename={10: "zz"})
     with pytest.raises(VocabularyMismatch):
         build_head_proposer(str(tmp_path / "head"), load_model(str(other)))
-
-
-def test_a_continued_head_starts_from_the_trained_one(target):
-    """init_from_head: every weight from the trained head; its LM-head rows for the ids both
-    vocabularies keep, the target's rows for the others; a head for other layers is refused."""
-    from services.draft.feature_head import init_from_head
-
-    trained = tiny.make_head(target, kept=torch.arange(0, 40), seed=1)
-    with torch.no_grad():
-        for p in trained.parameters():
-            p.add_(0.01 * torch.randn_like(p))  # "trained": away from the target's start
-    fresh = tiny.make_head(target, kept=torch.arange(20, 60), seed=2)
-    target_rows = fresh.lm_head.weight.detach().clone()
-    init_from_head(fresh, trained)
-    assert torch.equal(fresh.wqkv.weight, trained.wqkv.weight) and torch.equal(fresh.fuse.weight, trained.fuse.weight)
-    assert torch.equal(fresh.lm_head.weight[:20], trained.lm_head.weight[20:40])  # ids 20..39: both keep them
-    assert torch.equal(fresh.lm_head.weight[20:], target_rows[20:])  # ids 40..59: only the new one
-    assert fresh.d2t.tolist() == list(range(20, 60))
-    with pytest.raises(ValueError, match="layers"):
-        init_from_head(tiny.make_head(target, layers=(1,)), trained)
 
 
 def test_hybrid_takes_the_ngram_on_long_matches_and_stays_lossless(target):
@@ -291,55 +224,6 @@ def test_states_of_skipped_steps_are_joined_into_runs():
     assert torch.equal(runs[0].data, rows[0:5]) and torch.equal(runs[1].data, rows[7:9])
 
 
-def test_the_gpu_teacher_records_what_the_engine_teacher_records(target):
-    """hf_teacher (transformers' generate, for CUDA machines) makes the same Samples as the
-    engine's teacher: the same greedy answers, states and top-k, position for position."""
-    from services.draft.training import hf_teacher
-
-    gen = torch.Generator().manual_seed(11)
-    prompts = [torch.randint(3, 64, (n,), generator=gen).tolist() for n in (5, 9, 7)]
-    ours = teacher.generate(target.model, prompts, [0.0] * 3, (), 12, top_k=8, batch=3, state_layers=LAYERS)
-    model = hf_teacher.load(target.path, "cpu")
-    theirs = hf_teacher.generate(model, prompts, [0.0] * 3, (), 12, top_k=8, batch=2, state_layers=LAYERS)
-    for a, b in zip(ours, theirs):
-        assert a.ids == b.ids and a.prompt_len == b.prompt_len
-        assert a.states.shape == b.states.shape == (len(a.ids) - 1, len(LAYERS) * target.config.hidden_size)
-        assert torch.allclose(a.states.float(), b.states.float(), atol=1e-2)
-        assert torch.equal(a.top_ids, b.top_ids)
-        assert torch.allclose(a.top_logp.float(), b.top_logp.float(), atol=1e-2)
-
-
-def test_train_head_with_the_hf_teacher_writes_a_head_and_its_data_size_ablation(tiny_target, tmp_path):
-    """scripts/train_head.py end to end with the two-stage hf teacher: a loadable head, and the
-    ablation trained for the same steps as the head, in its card."""
-    import json
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-    import train_head
-    from services.draft.feature_head import FeatureHead
-
-    out = tmp_path / "head"
-    assert train_head.main(["--target", str(tiny_target), "--teacher", "hf", "--prompts", "12",
-                            "--passage-fraction", "0.3", "--max-tokens", "8", "--held-out", "2", "--steps", "4",
-                            "--batch-tokens", "256", "--layers", "0,1", "--ablation", "0.5",
-                            "--work", str(tmp_path / "work"), "--out", str(out)]) == 0
-    info = json.loads((out / "train-info.json").read_text())
-    assert info["answers"] == 12 and info["steps"] == 4
-    assert [a["fraction"] for a in info["ablation"]] == [0.5] and info["ablation"][0]["steps"] == 4
-    assert info["ablation"][0]["answers"] == 5  # half of the 10 not held out
-    assert "## Data size" in (out / "card.md").read_text()
-    assert FeatureHead.load(out).config.target_layers == (0, 1)
-    cached = list((tmp_path / "work").glob("hf-*.pt"))
-    assert len(cached) == 1  # a second run on the same work directory reads the answers back
-    assert train_head.main(["--target", str(tiny_target), "--teacher", "hf", "--prompts", "12",
-                            "--passage-fraction", "0.3", "--max-tokens", "8", "--held-out", "2", "--steps", "4",
-                            "--batch-tokens", "256", "--layers", "0,1", "--work", str(tmp_path / "work"),
-                            "--out", str(tmp_path / "again")]) == 0
-    assert json.loads((tmp_path / "again" / "train-info.json").read_text())["teacher_seconds"] == info["teacher_seconds"]
-
-
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_1"])
 def test_a_float_weight_rounds_to_blocks_within_half_a_step(kind):
     """BlockTensor.quantize (the served head's weights): every value within half a quantization
@@ -406,39 +290,3 @@ def test_the_native_layer_drafts_what_the_torch_layer_drafts(tmp_path):
     assert torch.allclose(out_a, out_b, atol=1e-4) and torch.allclose(nodes_a, nodes_b, atol=1e-4)
 
 
-def test_device_batches_equal_the_padded_ones():
-    """DeviceSamples (the GPU's batches, gathered where the data lives) builds what make_batch
-    pads on the CPU: every field, padding included, for ragged samples and a reduced vocabulary."""
-    from dataclasses import fields
-
-    gen = torch.Generator().manual_seed(9)
-    samples = []
-    for n, prompt in ((9, 3), (14, 6), (5, 1), (11, 4)):
-        ids = torch.randint(0, 40, (n,), generator=gen).tolist()
-        top_ids = torch.randint(0, 40, (n - prompt, 4), generator=gen).int()
-        samples.append(teacher.Sample(ids, prompt, top_ids, torch.randn(n - prompt, 4, generator=gen).half(),
-                                      torch.randn(n - 1, 6, generator=gen).half()))
-    t2d = torch.full((40,), -1, dtype=torch.long)
-    t2d[::2] = torch.arange(20)  # even ids kept
-    data = head_trainer.DeviceSamples(samples, t2d, "cpu")
-    for idx in ([0, 1, 2, 3], [2], [3, 1]):
-        want, got = head_trainer.make_batch([samples[i] for i in idx], t2d), data.batch(idx)
-        for f in fields(want):
-            assert torch.equal(getattr(got, f.name), getattr(want, f.name)), f.name
-
-
-def test_passage_prompts_quote_the_first_stage_and_name_its_language():
-    """The second stage's prompts carry a first-stage answer; a translation names the language
-    the answer was asked in; the same seed gives the same prompts."""
-    from services.draft.training.prompts import make_foreign_prompts, make_passage_prompts
-
-    foreign = [(f"texte numéro {i}", lang) for i, (_, lang) in enumerate(make_foreign_prompts(4, seed=2))]
-    passages = ["The first passage is about tides.", "The second passage is about bees."]
-    prompts = make_passage_prompts(passages, foreign, 200, seed=5)
-    assert prompts == make_passage_prompts(passages, foreign, 200, seed=5)
-    translations = [p for p in prompts if p.startswith("Translate ")]
-    assert translations and len(translations) < len(prompts)
-    for p in translations:
-        text = p.split(": ", 1)[1]
-        assert p == f"Translate {dict(foreign)[text]} to English: {text}"
-    assert all(any(x in p for x in passages) for p in prompts if p not in translations)
