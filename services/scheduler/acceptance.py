@@ -1,9 +1,10 @@
 """How often drafts are accepted: the scheduler's acceptance estimates (plain Python, no torch).
 
-- `depth_outcomes`: which draft depths of one step the verifier judged (the path reached d - 1)
-  and whether each was accepted; the unit every count below is made of.
-- `Acceptance`: one request's per-depth alpha_d = P(the depth-d draft token is accepted | the
-  path reached depth d - 1), its own decayed counts over a prior. The planner (policy.py, via
+- `depth_outcomes`: which draft depths of one step the path reached (d - 1 tokens accepted, d
+  within the draft length k it was given) and whether each was accepted; the unit every count
+  below is made of.
+- `Acceptance`: one request's per-depth alpha_d = P(a depth-d draft token is offered and
+  accepted | the path reached depth d - 1, k >= d), its own decayed counts over a prior. The planner (policy.py, via
   controller.py) prices each request's draft length with it.
 - `AcceptanceStats`: weighted judged/accepted counts per depth, trusted from MIN_JUDGED
   observations on; the priors (priors.py) keep one per request class, locally and summed from
@@ -28,10 +29,13 @@ BINS = 10  # NodeCalibration: confidence bins over [0, 1]
 MAX_DEPTH = 8  # NodeCalibration: depths beyond share the last row
 
 
-def depth_outcomes(depth: int, accepted: int) -> list[tuple[int, bool]]:
-    """(depth d, accepted?) for every depth whose draft token the verifier judged: the path
-    reached d - 1. A step drafting to `depth` with `accepted` tokens accepted."""
-    return [(d, d <= accepted) for d in range(1, min(depth, accepted + 1) + 1)]
+def depth_outcomes(k: int, accepted: int) -> list[tuple[int, bool]]:
+    """(depth d, accepted?) for every depth d <= k the path reached (d - 1 tokens accepted) in a
+    step given draft length k that had `accepted` tokens accepted. A depth the draft did not
+    reach (it stopped early, or the trim cut it) counts as not accepted: the planner prices k
+    by what drafting k deep yields, and a draft that stops early when unsure would otherwise
+    look sure at every depth it reaches."""
+    return [(d, d <= accepted) for d in range(1, min(k, accepted + 1) + 1)]
 
 
 # -- per request, per depth (the planner) ------------------------------------------------------
@@ -54,11 +58,11 @@ class Acceptance:
         self.judged = [0.0] * self.max_depth
         self.accepted = [0.0] * self.max_depth
 
-    def observe(self, depth: int, accepted: int) -> None:
-        """One step: decay what is known, then count this step's outcomes."""
+    def observe(self, k: int, accepted: int) -> None:
+        """One step given draft length k: decay what is known, then count its outcomes."""
         self.judged = [v * self.decay for v in self.judged]
         self.accepted = [v * self.decay for v in self.accepted]
-        for d, ok in depth_outcomes(min(depth, self.max_depth), accepted):
+        for d, ok in depth_outcomes(min(k, self.max_depth), accepted):
             self.judged[d - 1] += 1.0
             self.accepted[d - 1] += 1.0 if ok else 0.0
 
@@ -78,8 +82,8 @@ class AcceptanceStats:
     judged: dict[int, float] = field(default_factory=dict)
     accepted: dict[int, float] = field(default_factory=dict)
 
-    def add(self, depth: int, accepted: int, weight: float = 1.0) -> None:
-        for d, ok in depth_outcomes(depth, accepted):
+    def add(self, k: int, accepted: int, weight: float = 1.0) -> None:
+        for d, ok in depth_outcomes(k, accepted):
             self.judged[d] = self.judged.get(d, 0.0) + weight
             if ok:
                 self.accepted[d] = self.accepted.get(d, 0.0) + weight

@@ -160,22 +160,22 @@ class DraftController:
 
     # -- learning -------------------------------------------------------------------------------
     def observe(self, shape: StepShape, draft_ms: float, verify_ms: float,
-                outcomes: dict[str, tuple[int, int, int]], prefill: bool = False) -> None:
-        """One step: its shape and latencies, and per request (depth drafted, draft tokens
-        accepted, output tokens). `prefill`: the step also ran a prompt (a request's first step,
+                outcomes: dict[str, tuple[int, int, int, int]], prefill: bool = False) -> None:
+        """One step: its shape and latencies, and per request (the draft length k it was given,
+        the depth of its verified tree, draft tokens accepted, output tokens). `prefill`: the step also ran a prompt (a request's first step,
         or a replica re-prefilling one), whose cost no draft shape explains; its latencies are
         left out of the latency model (a prompt of a few hundred tokens looked like a costly step
         with few nodes and pulled the per-node cost to zero)."""
         if not prefill:
             self.latency.observe(shape, draft_ms, verify_ms)
-        for rid, (depth, accepted, output) in outcomes.items():
+        for rid, (k, depth, accepted, output) in outcomes.items():
             acc = self.accept.get(rid)
             if acc is None:
                 continue
             self.idle[rid] = 0 if depth > self.current.get(rid, 0) else self.idle.get(rid, 0) + 1
-            self.predicted_tokens += expected_tokens(acc.rates(), depth)
+            self.predicted_tokens += expected_tokens(acc.rates(), k)
             self.observed_tokens += output
-            acc.observe(depth, accepted)
+            acc.observe(k, accepted)
             if depth:
                 self.recent_drafted = self.recent_drafted * 0.99 + depth
                 self.recent_accepted = self.recent_accepted * 0.99 + accepted

@@ -242,7 +242,7 @@ class StepCore:
             shape = StepShape(len(decoding), drafted, proposed[0], proposed[1],
                               verified=sum(len(t) for t in trees.values()))
             self.controller.observe(shape, report.draft_ms, report.verify_ms,
-                                    {o.req.req_id: (o.depth, o.accepted, o.output) for o in report.outcomes},
+                                    {o.req.req_id: (o.draft_length, o.depth, o.accepted, o.output) for o in report.outcomes},
                                     prefill=bool(verified.fresh or fresh or chunks))
         for o in report.outcomes:  # after the controller learnt from their last step
             if o.req.finished:

@@ -66,8 +66,8 @@ class PriorsObserver(StepObserver):
 
     def on_step(self, report: StepReport) -> None:
         for o in report.outcomes:
-            if len(o.tree):
-                self.priors.record(StepRecord(o.req.request_class, o.depth, o.accepted, len(o.tree),
+            if o.draft_length:
+                self.priors.record(StepRecord(o.req.request_class, o.draft_length, o.accepted, len(o.tree),
                                               report.draft_ms, report.verify_ms))
         self.priors.flush()
 

@@ -2,8 +2,8 @@
 
 `Priors` is what seeds a new request's acceptance estimate (acceptance.py: `Acceptance`) with
 the per-depth rates of its class (`AcceptanceStats`), and it is where every step's outcome goes.
-Per step and request the scheduler records (`StepRecord`), for each draft depth the verifier
-judged (the path reached depth d - 1), whether the depth-d token was accepted; plus tree size and
+Per step and request the scheduler records (`StepRecord`), for each draft depth the path reached
+(depth d - 1 accepted, d within the request's draft length), whether the depth-d token was accepted; plus tree size and
 draft and verify latency. Counts go to time buckets per model pair and request class, so old
 data fades: a reader weighs bucket b by 0.5 ** (age / half_life). Records are summed and sent in
 the background at most every FLUSH_INTERVAL_S (one pipeline: the summed counters, then the
@@ -35,7 +35,7 @@ FLUSH_INTERVAL_S = 0.25
 @dataclass
 class StepRecord:
     request_class: str
-    depth: int  # deepest draft token of the request's tree this step (0 = none)
+    k: int  # the draft length it was given this step (0 = none)
     accepted: int  # accepted path length
     nodes: int  # tree size
     draft_ms: float
@@ -68,7 +68,7 @@ class Priors:
     def record(self, rec: StepRecord) -> None:
         stats = self.local.setdefault(rec.request_class, AcceptanceStats())
         stats.scale(self.local_decay)
-        stats.add(rec.depth, rec.accepted)
+        stats.add(rec.k, rec.accepted)
         if self.client is not None:
             self._pending.append(rec)
 
@@ -144,7 +144,7 @@ def _summed(batch: list[StepRecord]) -> dict[str, dict[str, int]]:
     out: dict[str, dict[str, int]] = {}
     for rec in batch:
         counts = out.setdefault(rec.request_class, {})
-        for d, ok in depth_outcomes(rec.depth, rec.accepted):
+        for d, ok in depth_outcomes(rec.k, rec.accepted):
             counts[f"judged:{d}"] = counts.get(f"judged:{d}", 0) + 1
             if ok:
                 counts[f"accepted:{d}"] = counts.get(f"accepted:{d}", 0) + 1

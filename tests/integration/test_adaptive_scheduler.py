@@ -79,7 +79,7 @@ def test_priors_sum_fast_steps_into_few_writes_and_lose_none(redis_url):
         t._write = counted
         started = time.monotonic()
         for _ in range(30):
-            t.record(StepRecord("c", depth=2, accepted=1, nodes=2, draft_ms=1.0, verify_ms=5.0))
+            t.record(StepRecord("c", k=2, accepted=1, nodes=2, draft_ms=1.0, verify_ms=5.0))
             t.flush()
             await asyncio.sleep(0.02)
         await t._task
@@ -103,13 +103,13 @@ def test_schedulers_share_acceptance_priors_through_redis(redis_url):
         a, b = Priors(redis_url, "pair-x"), Priors(redis_url, "pair-x")
         other = Priors(redis_url, "pair-y")
         for _ in range(40):
-            a.record(StepRecord("team-a", depth=3, accepted=1, nodes=3, draft_ms=1.0, verify_ms=5.0))
+            a.record(StepRecord("team-a", k=3, accepted=1, nodes=3, draft_ms=1.0, verify_ms=5.0))
         a.flush()
         await a._task
-        b.record(StepRecord("team-a", depth=1, accepted=1, nodes=1, draft_ms=1.0, verify_ms=5.0))
+        b.record(StepRecord("team-a", k=1, accepted=1, nodes=1, draft_ms=1.0, verify_ms=5.0))
         b.flush()  # a write also reads the class's shared counts back
         await b._task
-        other.record(StepRecord("team-a", depth=1, accepted=0, nodes=1, draft_ms=1.0, verify_ms=5.0))
+        other.record(StepRecord("team-a", k=1, accepted=0, nodes=1, draft_ms=1.0, verify_ms=5.0))
         other.flush()
         await other._task
         out = b.priors("team-a", 3), b.priors("team-b", 3), other.priors("team-a", 3)

@@ -17,7 +17,7 @@ def run(ctl: DraftController, rid: str, steps: int, accept_all: bool) -> list[in
         k = ctl.choose({rid: 4})[rid].k
         ks.append(k)
         accepted = k if accept_all else 0
-        ctl.observe(StepShape(1, 1 if k else 0, k, k), 0.0, 10.0 + 3.0 * k, {rid: (k, accepted, accepted + 1)})
+        ctl.observe(StepShape(1, 1 if k else 0, k, k), 0.0, 10.0 + 3.0 * k, {rid: (k, k, accepted, accepted + 1)})
     return ks
 
 
@@ -68,3 +68,23 @@ def test_greedy_requests_are_priced_as_trimmed_from_their_first_step():
     chosen = ctl.choose({"greedy": 4, "sampled": 4})
     assert chosen["greedy"].k == 4
     assert chosen["sampled"].k == 0
+
+
+def test_a_draft_that_stops_early_is_priced_by_what_it_offers():
+    """A draft that always stops after one (accepted) token, whatever k it is given: the depths
+    it never reaches count as not accepted, so the plan stops asking for them once each level
+    costs drafting time, re-trying depth 2 now and then. (Counting only the depths a tree reached kept alpha_2..4 at their
+    prior and the plan at k = 4: a head that stops when unsure drafted 4 levels it never used.)"""
+    cost = LatencyModel(verify_prior=(10.0, 0.0, 0.5), draft_prior=(0.0, 0.0, 0.0, 1.0))
+    ctl = DraftController(ControllerConfig(max_draft_length=4, probe_interval=10**9), latency=cost,
+                          priors=lambda cls: [0.8] * 4)
+    ctl.latency.verify.observe = ctl.latency.draft.observe = lambda *a: None
+    ks = []
+    for _ in range(64):
+        k = ctl.choose({"r": 4})["r"].k
+        ks.append(k)
+        depth = min(k, 1)
+        ctl.observe(StepShape(1, 1 if k else 0, depth, depth), float(k), 10.0, {"r": (k, depth, depth, depth + 1)})
+    assert ks[0] == 4  # the prior says every level pays
+    tail = ks[-32:]  # depth 2 is re-tried as its failures fade toward the prior
+    assert max(tail) <= 2 and tail.count(1) >= 24

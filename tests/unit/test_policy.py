@@ -117,8 +117,8 @@ def test_linear_fit_keeps_weights_non_negative():
 
 def test_acceptance_counts_only_judged_depths():
     acc = Acceptance(max_depth=4, prior=[0.5] * 4, prior_weight=0.0, decay=1.0)
-    acc.observe(depth=4, accepted=1)  # depth 1 accepted, depth 2 rejected, 3 and 4 never judged
-    acc.observe(depth=4, accepted=4)
+    acc.observe(k=4, accepted=1)  # depth 1 accepted, depth 2 rejected, 3 and 4 never judged
+    acc.observe(k=4, accepted=4)
     assert acc.judged == [2.0, 2.0, 1.0, 1.0]
     assert acc.rates() == [1.0, 0.5, 1.0, 1.0]
 
@@ -126,13 +126,13 @@ def test_acceptance_counts_only_judged_depths():
 def test_acceptance_drifts_to_new_behaviour_and_back_to_prior():
     acc = Acceptance(max_depth=2, prior=[0.5, 0.5], prior_weight=2.0, decay=0.9)
     for _ in range(60):
-        acc.observe(depth=2, accepted=2)
+        acc.observe(k=2, accepted=2)
     assert acc.rates()[0] > 0.9
     for _ in range(60):
-        acc.observe(depth=2, accepted=0)
+        acc.observe(k=2, accepted=0)
     assert acc.rates()[0] < 0.1
     for _ in range(200):
-        acc.observe(depth=0, accepted=0)  # steps without drafting: what it knew fades to the prior
+        acc.observe(k=0, accepted=0)  # steps without drafting: what it knew fades to the prior
     assert acc.rates()[0] == pytest.approx(0.5, abs=0.01)
 
 

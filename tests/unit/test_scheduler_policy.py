@@ -12,7 +12,7 @@ from services.scheduler.replicas import ReplicaSet
 def test_priors_without_redis_keep_local_estimates():
     t = Priors(None, "pair", local_decay=1.0)
     for _ in range(30):
-        t.record(StepRecord("chat", depth=3, accepted=1, nodes=4, draft_ms=1.0, verify_ms=2.0))
+        t.record(StepRecord("chat", k=3, accepted=1, nodes=4, draft_ms=1.0, verify_ms=2.0))
     s = t.stats("chat")
     assert s.judged == {1: 30, 2: 30}  # depth 3 was never reached, so never judged
     assert s.accepted == {1: 30}
@@ -24,7 +24,7 @@ def test_priors_without_redis_keep_local_estimates():
 def test_priors_survive_an_unreachable_redis():
     async def scenario():
         t = Priors("redis://127.0.0.1:1/0", "pair")  # nothing listens on port 1
-        t.record(StepRecord("default", depth=1, accepted=1, nodes=1, draft_ms=1.0, verify_ms=1.0))
+        t.record(StepRecord("default", k=1, accepted=1, nodes=1, draft_ms=1.0, verify_ms=1.0))
         t.flush()
         await asyncio.wait_for(t._task, 5)
         await t.close()
