@@ -227,13 +227,27 @@ ROLE_MAIN = {"draft": serve_draft, "verifier": serve_verifier, "scheduler": serv
              "gateway": serve_gateway}
 
 
+def torch_threads(role: str, threads: str | None) -> int | None:
+    """The torch thread count a role runs with (None: torch's default, one per core). Roles with
+    no model forward, and the draft unless told otherwise (--threads), keep to one: idle OpenMP
+    workers spin on the cores the verifier's forward needs (on a small machine all share them)."""
+    if threads in (None, "auto"):
+        return None if role == "verifier" else 1
+    try:
+        n = int(threads)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise SystemExit(f"--threads must be a positive integer or auto, got {threads!r}")
+    return n
+
+
 def serve(role: str, args) -> None:
-    # Roles that run no model forward keep torch to one thread: its idle worker threads would
-    # otherwise spin on the cores the verifier's forward needs (on a small machine all share them).
-    if role in ("scheduler", "gateway") or (role == "draft" and args.draft == "ngram"):
+    threads = torch_threads(role, getattr(args, "threads", None))
+    if threads is not None:
         import torch
 
-        torch.set_num_threads(1)
+        torch.set_num_threads(threads)
     tracer_provider = setup_tracing(role)  # None unless OTEL_EXPORTER_OTLP_ENDPOINT is set
     try:
         asyncio.run(ROLE_MAIN[role](args))

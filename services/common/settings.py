@@ -49,6 +49,10 @@ OPTIONS: tuple[Option, ...] = (
            "more than this many percentage points below the full head's calibrated rate"),
     Option("--device", "SPECSERVE_DEVICE", "cpu", ("draft", "verifier"), "cpu, cuda or auto"),
     Option("--dtype", "SPECSERVE_DTYPE", "auto", ("draft", "verifier"), "auto, float32, bfloat16, float16"),
+    Option("--threads", "SPECSERVE_THREADS", "auto", ("draft", "verifier"),
+           "torch CPU threads: a number, or auto: 1 for the draft (its forwards are small, and the idle "
+           "OpenMP workers of a second thread team spin on the cores the verifier's forward needs), "
+           "one per core for the verifier"),
     Option("--weights", "SPECSERVE_WEIGHTS", "native", ("draft", "verifier"),
            "native: a GGUF model's Q4_0/Q4_1/Q8_0 weights run as stored (int4 matmul, CPU); float32: "
            "dequantized at load"),

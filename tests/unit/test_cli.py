@@ -70,3 +70,17 @@ def test_bad_requests_fail_with_a_clear_message(home, tiny_target, args, message
     res = run_cli("generate", "--target", str(tiny_target), "--prompt", "w5 w6", *args, home=home)
     assert res.returncode == 2
     assert message in res.stderr
+
+
+def test_threads_default_to_one_for_every_role_but_the_verifier():
+    from services.cli import build_parser
+    from services.serve import torch_threads
+
+    draft = build_parser().parse_args(["serve", "draft", "--draft", "models/head"])
+    assert draft.threads == "auto" and torch_threads("draft", draft.threads) == 1
+    assert torch_threads("verifier", "auto") is None  # torch's default: one per core
+    assert torch_threads("scheduler", None) == 1 and torch_threads("gateway", None) == 1
+    assert torch_threads("draft", build_parser().parse_args(["serve", "draft", "--threads", "2"]).threads) == 2
+    for bad in ("0", "two"):
+        with pytest.raises(SystemExit, match="--threads"):
+            torch_threads("verifier", bad)
