@@ -53,7 +53,9 @@ class _Part:
     """One request's rows in one head forward."""
 
     cache: KVCache
-    state: torch.Tensor  # [n, hidden]: the input state of each row (fused target states or a parent's output)
+    # [n, hidden]: each row's input state, a parent's output or the fused target states (a
+    # committed part holds the target's [n, layers * hidden] until propose fuses every part's at once)
+    state: torch.Tensor
     ids: list[int]  # [n]: the token each row reads
     positions: list[int]  # [n]
     mask: torch.Tensor  # [n, slots before + n] bool: what each row attends to
@@ -146,8 +148,9 @@ class HeadProposer(Proposer):
             return None
         n = len(positions)
         mask = torch.cat([torch.ones(n, st.slots, dtype=torch.bool), torch.ones(n, n, dtype=torch.bool).tril()], 1)
-        state = self.head.fuse_states(torch.cat(rows))
-        return _Part(seq.cache, state, [seq.tokens[t + 1] for t in positions], positions, mask, st.slots, NO_MASK)
+        # the target's states [n, layers * hidden]: fused for every part at once (propose)
+        return _Part(seq.cache, torch.cat(rows), [seq.tokens[t + 1] for t in positions], positions, mask, st.slots,
+                     NO_MASK)
 
     def hold(self, items: list[ProposeItem]) -> None:
         """Keep these items' states for each request's next draft without drafting now (the
@@ -162,6 +165,9 @@ class HeadProposer(Proposer):
         live = [(i, it, self._state(it.seq)) for i, it in enumerate(items) if it.draft_length > 0 and it.tree_size > 0]
         fed = [(it, st, part) for _, it, st in live if (part := self._committed_part(it, st)) is not None]
         if fed:
+            fused = self.head.fuse_states(torch.cat([p.state for _, _, p in fed])).split([len(p.ids) for _, _, p in fed])
+            for (_, _, part), g in zip(fed, fused):
+                part.state = g
             for (it, st, part), out in zip(fed, self._forward([p for _, _, p in fed])):
                 st.slots, st.last, st.out = st.slots + len(part.ids), part.positions[-1], out[-1]
         # the head drafts from the output at the position before the last committed token
@@ -173,7 +179,7 @@ class HeadProposer(Proposer):
 
     @torch.inference_mode()
     def _grow(self, works: list[Growth]) -> None:
-        logits = [self.head.logits(w.item.seq.scratch.out[None]) for w in works]  # [1, draft vocab] each
+        logits = list(self.head.logits(torch.stack([w.item.seq.scratch.out for w in works])).split(1))  # [1, draft vocab] each
         depth = 1
         while works:
             dists = distributions(works, logits, self.head.d2t, self.vocab_size, self.branch, self.q_support)
@@ -185,10 +191,9 @@ class HeadProposer(Proposer):
             if not works:
                 return
             outs = self._forward([self._tree_part(w, new) for w, new in works])
-            logits = []
             for (w, _), out in zip(works, outs):
                 w.item.seq.scratch.node_out.extend(out)
-                logits.append(self.head.logits(out))
+            logits = list(self.head.logits(torch.cat(outs)).split([len(o) for o in outs]))  # [new, draft vocab] each
             works = [w for w, _ in works]
 
     def _tree_part(self, w: Growth, new: list[int]) -> _Part:
