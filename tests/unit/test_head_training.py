@@ -47,10 +47,15 @@ def test_auto_precision_times_both_and_leaves_no_gradients(target):
     samples = teacher.generate(target.model, [[5, 6, 7, 8]] * 2, [0.0] * 2, (), 8, top_k=8, state_layers=LAYERS)
     batch = head_trainer.make_batch(samples, torch.arange(target.config.vocab_size))
     plan = head_trainer.TrainPlan(steps=1, unroll=2, lr=1e-3, batch_tokens=64, seed=0)
-    assert head_trainer.choose_precision(head, embed, batch, plan) in ("fp32", "bf16")
+    assert head_trainer.choose_precision(head, embed, lambda: batch, plan) in ("fp32", "bf16")
     assert all(p.grad is None for p in head.parameters())
+
+    def unbuilt():
+        raise AssertionError("an explicit choice (or a GPU) needs no probe batch")
+
     for given in ("fp32", "bf16"):  # an explicit choice is kept untimed
-        assert head_trainer.choose_precision(head, embed, batch, replace(plan, precision=given)) == given
+        assert head_trainer.choose_precision(head, embed, unbuilt, replace(plan, precision=given)) == given
+    assert head_trainer.choose_precision(head, embed, unbuilt, replace(plan, device="cuda")) == "bf16"
 
 
 def test_a_continued_head_starts_from_the_trained_one(target):

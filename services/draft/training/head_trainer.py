@@ -224,7 +224,7 @@ def train(head: FeatureHead, embed: torch.Tensor, samples, t2d: torch.Tensor, pl
     batch_of = batches_of(samples, t2d, plan.device)
     if "precision" not in run:
         first = make_batches(samples, plan.batch_tokens, torch.Generator().manual_seed(plan.seed))[0]
-        run["precision"] = choose_precision(head, embed, batch_of(first), plan)
+        run["precision"] = choose_precision(head, embed, lambda: batch_of(first), plan)
         log.info("training in %s", run["precision"])
     rng = torch.Generator().manual_seed(plan.seed + run["step"])
     started = time.monotonic()
@@ -276,14 +276,15 @@ def _step(head, embed, batch: Batch, opt, plan: TrainPlan, run: dict) -> tuple[f
     return float(loss.detach()), metrics
 
 
-def choose_precision(head: FeatureHead, embed: torch.Tensor, batch: Batch, plan: TrainPlan) -> str:
+def choose_precision(head: FeatureHead, embed: torch.Tensor, probe: Callable[[], Batch], plan: TrainPlan) -> str:
     """plan.precision, or for "auto": bf16 on a GPU (as EAGLE's heads train); on a CPU whichever of
-    fp32 and bf16 runs a forward and backward of `batch` faster, each timed twice (bf16 wins where
-    the CPU has bf16 dot products, and loses where torch emulates them)."""
+    fp32 and bf16 runs a forward and backward of the batch `probe` builds faster, each timed twice
+    (bf16 wins where the CPU has bf16 dot products, and loses where torch emulates them)."""
     if plan.precision != "auto":
         return plan.precision
     if torch.device(plan.device).type == "cuda":
         return "bf16"
+    batch = probe()
     best: dict[str, float] = {}
     for precision in ("fp32", "bf16") * 2:
         started = time.perf_counter()
