@@ -8,7 +8,7 @@ import logging
 from services.common import codec
 from services.common.grpc_server import GrpcServer
 from services.common.metrics import Registry, SchedulerMetrics, WorkerMetrics, cuda_memory
-from services.common.settings import split_addrs
+from services.common.settings import positive_int, split_addrs
 from services.common.step_servicer import StepServicer
 from services.common.tls import Tls
 from services.common.tracing import setup_tracing
@@ -234,12 +234,9 @@ def torch_threads(role: str, threads: str | None) -> int | None:
     if threads in (None, "auto"):
         return None if role == "verifier" else 1
     try:
-        n = int(threads)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise SystemExit(f"--threads must be a positive integer or auto, got {threads!r}")
-    return n
+        return positive_int(threads, "--threads")
+    except ValueError as e:
+        raise SystemExit(f"{e} (or auto)") from None
 
 
 def serve(role: str, args) -> None:

@@ -153,3 +153,16 @@ def add_role_options(parser: argparse.ArgumentParser, role: str) -> None:
 
 def split_addrs(value: str | None) -> list[str]:
     return [a.strip() for a in (value or "").split(",") if a.strip()]
+
+
+def positive_int(value: str | None, flag: str) -> int | None:
+    """An option's positive integer, None when unset; a ValueError naming the flag otherwise."""
+    if value in (None, ""):
+        return None
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise ValueError(f"{flag} must be a positive integer, got {value!r}")
+    return number

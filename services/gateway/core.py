@@ -15,6 +15,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.common.settings import positive_int
 from services.gateway.auth import ApiKeys, Authenticator, Principal
 from services.gateway.errors import ApiError
 from services.gateway.openai_api import ApiRequest
@@ -57,16 +58,7 @@ def input_limits(args) -> dict:
     """GatewayConfig's input limits from the gateway options (--max-request-bytes,
     --max-prompt-tokens, --deny-patterns, --max-concurrent-requests)."""
     def positive(name: str, flag: str) -> int | None:
-        value = getattr(args, name, None)
-        if value in (None, ""):
-            return None
-        try:
-            number = int(value)
-        except ValueError:
-            number = 0
-        if number < 1:
-            raise ValueError(f"{flag} must be a positive integer, got {value!r}")
-        return number
+        return positive_int(getattr(args, name, None), flag)
 
     return {"max_body_bytes": positive("max_request_bytes", "--max-request-bytes") or MAX_BODY_BYTES,
             "max_prompt_tokens": positive("max_prompt_tokens", "--max-prompt-tokens"),
