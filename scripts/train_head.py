@@ -76,7 +76,8 @@ def parse_args(argv=None):
     p.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16"),
                    help="training matmuls (auto: bf16 on a GPU, the faster of the two, timed, on a CPU)")
     p.add_argument("--passage-fraction", type=float, default=0.0,
-                   help="hf teacher: this fraction of --prompts are tasks over the first stage's answers")
+                   help="this fraction of --prompts (and of --tokens, for the engine's teacher) are tasks over the "
+                        "first stage's answers: summaries, questions over documents, translation")
     p.add_argument("--ablation", default="", help="also train on these data fractions (e.g. 0.25,0.5): metrics only")
     p.add_argument("--eval-questions", default="",
                    help="Spec-Bench JSONL: held-out metrics on its first question per category too (never trained on)")
@@ -94,9 +95,10 @@ def main(argv=None) -> int:
     engine = args.teacher == "engine" or (args.device == "cpu" and bool(args.eval_questions))
     target = load_model(args.target, weights=engine)
     plan = feature_data.TeacherPlan(tuple(int(x) for x in args.layers.split(",")), args.prompts, args.tokens,
-                                    args.max_tokens, args.sampled_fraction, args.teacher_batch, args.seed)
+                                    args.max_tokens, args.sampled_fraction, args.teacher_batch, args.seed,
+                                    args.passage_fraction)
     if args.teacher == "hf":
-        samples, seconds = feature_data.build_hf(target, Path(args.work), plan, args.device, args.passage_fraction)
+        samples, seconds = feature_data.build_hf(target, Path(args.work), plan, args.device)
     else:
         samples, seconds = feature_data.build(target, Path(args.work), plan, args.teacher_minutes)
     log.info("teacher data: %d answers, %d answer tokens, %.0f s of teacher time (%.1f min in all)",

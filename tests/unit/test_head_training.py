@@ -127,6 +127,28 @@ def test_train_head_with_the_hf_teacher_writes_a_head_and_its_data_size_ablation
     assert json.loads((tmp_path / "again" / "train-info.json").read_text())["teacher_seconds"] == info["teacher_seconds"]
 
 
+def test_the_engine_teacher_answers_passage_prompts_after_the_template_ones(tiny_target, tmp_path):
+    """--passage-fraction with the engine's teacher (a CPU run): the second stage's prompts quote
+    first-stage answers and are numbered after them; a rerun reads the same cache back."""
+    from services.common.loading import load_model
+    from services.draft.training import feature_data
+
+    target = load_model(str(tiny_target))
+    plan = feature_data.TeacherPlan((0, 1), prompts=16, tokens=10**6, max_tokens=8, sampled_fraction=0.0,
+                                    batch=8, seed=0, passage_fraction=0.5)
+    samples, seconds = feature_data.build(target, tmp_path, plan, minutes=5)
+    first, foreign, second = plan.stage_one()
+    assert (len(first), len(foreign), second) == (9, 1, 8)  # the foreign prompt first, then 8 templates
+    assert len(samples) == 17 and seconds > 0
+    answers = [target.tokenizer.decode(s.ids[s.prompt_len :], skip_special_tokens=True).strip() for s in samples[:9]]
+    prompts = [target.tokenizer.decode(s.ids[: s.prompt_len]) for s in samples[9:]]
+    quoted = [p for p in prompts if any(a and a[:20] in p for a in answers)]
+    assert len(quoted) >= 6  # every passage prompt quotes a first-stage answer (a short one may be cut)
+    again, seconds_again = feature_data.build(target, tmp_path, plan, minutes=5)
+    assert [s.ids for s in again] == [s.ids for s in samples] and seconds_again == seconds
+    assert (tmp_path / plan.key()).name.endswith("-p0.5")  # never mixed with a one-stage cache
+
+
 def test_device_batches_equal_the_padded_ones():
     """DeviceSamples (the GPU's batches, gathered where the data lives) builds what make_batch
     pads on the CPU: every field, padding included, for ragged samples and a reduced vocabulary."""

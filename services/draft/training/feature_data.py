@@ -33,10 +33,37 @@ class TeacherPlan:
     sampled_fraction: float  # answers sampled at T=0.8 / top-p 0.95; the rest greedy
     batch: int
     seed: int
+    passage_fraction: float = 0.0  # prompts (and answer tokens) of the second stage: tasks over a passage
 
     def key(self) -> str:
         layers = "-".join(map(str, self.layers))
-        return f"L{layers}-t{self.max_tokens}-s{self.seed}-f{self.sampled_fraction}"
+        passages = f"-p{self.passage_fraction}" if self.passage_fraction else ""
+        return f"L{layers}-t{self.max_tokens}-s{self.seed}-f{self.sampled_fraction}{passages}"
+
+    def stage_one(self) -> tuple[list[str], list[tuple[str, str]], int]:
+        """(the first stage's prompts, the foreign-language ones among them with their language,
+        how many second-stage prompts follow). The foreign prompts come first: the first stage
+        may stop at its share of tokens, and the second stage translates their answers."""
+        second = round(self.passage_fraction * self.prompts)
+        foreign = make_foreign_prompts(second // 8, seed=self.seed) if second else []
+        return [p for p, _ in foreign] + make_prompts(self.prompts - second, seed=self.seed), foreign, second
+
+
+def passage_prompts(target, plan: TeacherPlan, answers: list[teacher.Sample | None], foreign: list[tuple[str, str]],
+                    second: int) -> list[str]:
+    """The second stage's prompts over the first stage's answers (answers[i]: prompt i's, None if
+    unanswered; the foreign ones first): summaries, questions over documents, extraction and
+    translation back to English."""
+    def text(s):
+        return target.tokenizer.decode(s.ids[s.prompt_len :], skip_special_tokens=True).strip()
+
+    long_enough = min(48, plan.max_tokens // 2)
+    foreign_text = [(text(s), lang) for s, (_, lang) in zip(answers, foreign) if s is not None]
+    passages = [text(s) for s in answers[len(foreign) :]
+                if s is not None and len(s.ids) - s.prompt_len >= long_enough]
+    if len(passages) < 2:
+        raise ValueError(f"only {len(passages)} first-stage answers of {long_enough}+ tokens to build passages from")
+    return make_passage_prompts(passages, foreign_text, second, plan.seed)
 
 
 def load_shards(work: Path, plan: TeacherPlan) -> tuple[dict[int, teacher.Sample], float]:
@@ -55,25 +82,40 @@ def answer_tokens(samples) -> int:
 
 def build(target, work: Path, plan: TeacherPlan, minutes: float) -> tuple[list[teacher.Sample], float]:
     """Extend the cache (at most `minutes` of generation) and return every cached answer, in
-    prompt order, with the total teacher seconds."""
+    prompt order, with the total teacher seconds. With plan.passage_fraction, two stages as
+    build_hf's: the first answers the template prompts up to its share of plan.tokens; once it
+    has (its answers never change after), the second answers the passage prompts built from them,
+    numbered after the first stage's, up to plan.tokens in all."""
     done, seconds = load_shards(work, plan)
     have = answer_tokens(done.values())
     log.info("teacher cache %s: %d answers, %d answer tokens", work / plan.key(), len(done), have)
-    if have < plan.tokens and minutes > 0:
-        seconds += _extend(target, work, plan, done, have, minutes)
+    first, foreign, second = plan.stage_one()
+    share = round(plan.tokens * (1 - plan.passage_fraction)) if second else plan.tokens
+    deadline = time.monotonic() + 60 * minutes
+    started = not second or any(i >= len(first) for i in done)  # the second stage has begun
+    if not started and have < share and minutes > 0:
+        seconds += _extend(target, work, plan, first, 0, done, share, deadline)
+    one = [done.get(i) for i in range(len(first))]
+    answered = [s for s in one if s is not None]
+    if second and (started or answer_tokens(answered) >= share or len(answered) == len(first)) \
+            and time.monotonic() < deadline:
+        prompts = passage_prompts(target, plan, one, foreign, second)
+        seconds += _extend(target, work, plan, prompts, len(first), done, plan.tokens, deadline)
     return [done[i] for i in sorted(done)], seconds
 
 
-def _extend(target, work: Path, plan: TeacherPlan, done: dict, have: int, minutes: float) -> float:
-    prompts = make_prompts(plan.prompts, seed=plan.seed)
-    rng = random.Random(plan.seed)
+def _extend(target, work: Path, plan: TeacherPlan, prompts: list[str], offset: int, done: dict, cap: int,
+            deadline: float) -> float:
+    """Answer prompts[j] as prompt index offset + j (those not cached) until the cache holds
+    `cap` answer tokens or the deadline."""
+    rng = random.Random(plan.seed + offset)
     temps = [0.8 if rng.random() < plan.sampled_fraction else 0.0 for _ in prompts]
-    todo = [i for i in range(len(prompts)) if i not in done]
-    encoded = [encode_prompt(target.tokenizer, prompts[i], chat=True) for i in todo]
+    todo = [offset + j for j in range(len(prompts)) if offset + j not in done]
+    encoded = [encode_prompt(target.tokenizer, prompts[i - offset], chat=True) for i in todo]
     folder = work / plan.key()
     folder.mkdir(parents=True, exist_ok=True)
     pending: dict[int, teacher.Sample] = {}
-    tokens = [have]
+    tokens = [answer_tokens(done.values())]
     clock = [time.monotonic()]
     total = [0.0]
 
@@ -96,43 +138,32 @@ def _extend(target, work: Path, plan: TeacherPlan, done: dict, have: int, minute
             flush()
             log.info("teacher: %d answers, %d answer tokens cached", len(done), tokens[0])
 
-    teacher.generate(target.model, encoded, [temps[i] for i in todo], target.config.eos_token_ids,
-                     plan.max_tokens, batch=plan.batch, seed=plan.seed + 7919,
-                     deadline=time.monotonic() + 60 * minutes, state_layers=plan.layers,
-                     on_sample=on_sample, enough=lambda: tokens[0] >= plan.tokens)
+    if not todo or tokens[0] >= cap:
+        return 0.0
+    teacher.generate(target.model, encoded, [temps[i - offset] for i in todo], target.config.eos_token_ids,
+                     plan.max_tokens, batch=plan.batch, seed=plan.seed + 7919 + offset,
+                     deadline=deadline, state_layers=plan.layers, on_sample=on_sample, enough=lambda: tokens[0] >= cap)
     flush()
     return total[0]
 
 
-def build_hf(target, work: Path, plan: TeacherPlan, device: str,
-             passage_fraction: float) -> tuple[list[teacher.Sample], float]:
+def build_hf(target, work: Path, plan: TeacherPlan, device: str) -> tuple[list[teacher.Sample], float]:
     """Teacher data on a CUDA machine (hf_teacher), in two stages: the template prompts (and some
-    asking for text in another language), then `passage_fraction` of plan.prompts over their
-    answers (prompts.make_passage_prompts). Every prompt is answered (no token cap); the whole
-    set is cached in one file under `work` (a GPU makes it in minutes, so no shards). Returns the
-    samples, stage one first, and the seconds they took."""
-    path = work / f"hf-{plan.key()}-n{plan.prompts}-b{plan.batch}-p{passage_fraction}.pt"
+    asking for text in another language), then plan.passage_fraction of plan.prompts over their
+    answers (passage_prompts). Every prompt is answered (no token cap); the whole set is cached
+    in one file under `work` (a GPU makes it in minutes, so no shards). Returns the samples,
+    stage one first, and the seconds they took."""
+    path = work / f"hf-{plan.key()}-n{plan.prompts}-b{plan.batch}.pt"
     if path.exists():
         cached = torch.load(path, weights_only=False)
         log.info("teacher cache %s: %d answers", path, len(cached["samples"]))
         return cached["samples"], cached["seconds"]
     started = time.monotonic()
     model = hf_teacher.load(target.path, device)
-    second = round(passage_fraction * plan.prompts)
-    first = make_prompts(plan.prompts - second, seed=plan.seed)
-    foreign = make_foreign_prompts(second // 8, seed=plan.seed) if second else []
-    samples = _answer_hf(model, target, first + [prompt for prompt, _ in foreign], plan)
+    first, foreign, second = plan.stage_one()
+    samples = _answer_hf(model, target, first, plan)
     if second:
-        def text(s):
-            return target.tokenizer.decode(s.ids[s.prompt_len :], skip_special_tokens=True).strip()
-
-        long_enough = min(48, plan.max_tokens // 2)
-        passages = [text(s) for s in samples[: len(first)] if len(s.ids) - s.prompt_len >= long_enough]
-        foreign_text = [(text(s), lang) for s, (_, lang) in zip(samples[len(first) :], foreign)]
-        if len(passages) < 2:
-            raise ValueError(f"only {len(passages)} first-stage answers of {long_enough}+ tokens "
-                             "to build passages from")
-        samples += _answer_hf(model, target, make_passage_prompts(passages, foreign_text, second, plan.seed), plan)
+        samples += _answer_hf(model, target, passage_prompts(target, plan, samples, foreign, second), plan)
     seconds = time.monotonic() - started
     work.mkdir(parents=True, exist_ok=True)
     torch.save({"samples": samples, "seconds": seconds}, path.with_suffix(".tmp"))
