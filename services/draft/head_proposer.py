@@ -165,7 +165,8 @@ class HeadProposer(Proposer):
         live = [(i, it, self._state(it.seq)) for i, it in enumerate(items) if it.draft_length > 0 and it.tree_size > 0]
         fed = [(it, st, part) for _, it, st in live if (part := self._committed_part(it, st)) is not None]
         if fed:
-            fused = self.head.fuse_states(torch.cat([p.state for _, _, p in fed])).split([len(p.ids) for _, _, p in fed])
+            raw = torch.cat([p.state for _, _, p in fed])  # [rows of all parts, layers * hidden]
+            fused = self.head.fuse_states(raw).split([len(p.ids) for _, _, p in fed])
             for (_, _, part), g in zip(fed, fused):
                 part.state = g
             for (it, st, part), out in zip(fed, self._forward([p for _, _, p in fed])):
@@ -179,7 +180,8 @@ class HeadProposer(Proposer):
 
     @torch.inference_mode()
     def _grow(self, works: list[Growth]) -> None:
-        logits = list(self.head.logits(torch.stack([w.item.seq.scratch.out for w in works])).split(1))  # [1, draft vocab] each
+        roots = torch.stack([w.item.seq.scratch.out for w in works])  # [works, hidden]
+        logits = list(self.head.logits(roots).split(1))  # [1, draft vocab] each
         depth = 1
         while works:
             dists = distributions(works, logits, self.head.d2t, self.vocab_size, self.branch, self.q_support)

@@ -4,8 +4,8 @@
   within the draft length k it was given) and whether each was accepted; the unit every count
   below is made of.
 - `Acceptance`: one request's per-depth alpha_d = P(a depth-d draft token is offered and
-  accepted | the path reached depth d - 1, k >= d), its own decayed counts over a prior. The planner (policy.py, via
-  controller.py) prices each request's draft length with it.
+  accepted | the path reached depth d - 1, k >= d), its own decayed counts over a prior. The
+  planner (policy.py, via controller.py) prices each request's draft length with it.
 - `AcceptanceStats`: weighted judged/accepted counts per depth, trusted from MIN_JUDGED
   observations on; the priors (priors.py) keep one per request class, locally and summed from
   Redis, and seed each new request's `Acceptance` with its rates.

@@ -162,10 +162,10 @@ class DraftController:
     def observe(self, shape: StepShape, draft_ms: float, verify_ms: float,
                 outcomes: dict[str, tuple[int, int, int, int]], prefill: bool = False) -> None:
         """One step: its shape and latencies, and per request (the draft length k it was given,
-        the depth of its verified tree, draft tokens accepted, output tokens). `prefill`: the step also ran a prompt (a request's first step,
-        or a replica re-prefilling one), whose cost no draft shape explains; its latencies are
-        left out of the latency model (a prompt of a few hundred tokens looked like a costly step
-        with few nodes and pulled the per-node cost to zero)."""
+        the depth of its verified tree, draft tokens accepted, output tokens). `prefill`: the step
+        also ran a prompt (a request's first step, or a replica re-prefilling one), whose cost no
+        draft shape explains; its latencies are left out of the latency model (a prompt of a few
+        hundred tokens looked like a costly step with few nodes and pulled the per-node cost to zero)."""
         if not prefill:
             self.latency.observe(shape, draft_ms, verify_ms)
         for rid, (k, depth, accepted, output) in outcomes.items():

@@ -241,8 +241,8 @@ class StepCore:
         if self.controller is not None and report.outcomes:
             shape = StepShape(len(decoding), drafted, proposed[0], proposed[1],
                               verified=sum(len(t) for t in trees.values()))
-            self.controller.observe(shape, report.draft_ms, report.verify_ms,
-                                    {o.req.req_id: (o.draft_length, o.depth, o.accepted, o.output) for o in report.outcomes},
+            outcomes = {o.req.req_id: (o.draft_length, o.depth, o.accepted, o.output) for o in report.outcomes}
+            self.controller.observe(shape, report.draft_ms, report.verify_ms, outcomes,
                                     prefill=bool(verified.fresh or fresh or chunks))
         for o in report.outcomes:  # after the controller learnt from their last step
             if o.req.finished:

@@ -3,14 +3,14 @@
 `Priors` is what seeds a new request's acceptance estimate (acceptance.py: `Acceptance`) with
 the per-depth rates of its class (`AcceptanceStats`), and it is where every step's outcome goes.
 Per step and request the scheduler records (`StepRecord`), for each draft depth the path reached
-(depth d - 1 accepted, d within the request's draft length), whether the depth-d token was accepted; plus tree size and
-draft and verify latency. Counts go to time buckets per model pair and request class, so old
-data fades: a reader weighs bucket b by 0.5 ** (age / half_life). Records are summed and sent in
-the background at most every FLUSH_INTERVAL_S (one pipeline: the summed counters, then the
-class's buckets read back), not once per step: a step every few tens of milliseconds would
-otherwise cost a Redis round trip and thirty bucket reads each, on the cores the verifier needs.
-A Redis outage never fails or slows a request (writes are dropped, logged once per interval, and
-the priors fall back to this scheduler's own decayed counts).
+(depth d - 1 accepted, d within the request's draft length), whether the depth-d token was
+accepted; plus tree size and draft and verify latency. Counts go to time buckets per model pair and
+request class, so old data fades: a reader weighs bucket b by 0.5 ** (age / half_life). Records are
+summed and sent in the background at most every FLUSH_INTERVAL_S (one pipeline: the summed
+counters, then the class's buckets read back), not once per step: a step every few tens of
+milliseconds would otherwise cost a Redis round trip and thirty bucket reads each, on the cores the
+verifier needs. A Redis outage never fails or slows a request (writes are dropped, logged once per
+interval, and the priors fall back to this scheduler's own decayed counts).
 
 Keys (hashes of counters; each bucket expires after `keep_buckets` intervals):
     specserve:accept:{pair}:{class}:{bucket}   judged:{d}, accepted:{d}, steps, tree_nodes

@@ -73,8 +73,9 @@ def test_greedy_requests_are_priced_as_trimmed_from_their_first_step():
 def test_a_draft_that_stops_early_is_priced_by_what_it_offers():
     """A draft that always stops after one (accepted) token, whatever k it is given: the depths
     it never reaches count as not accepted, so the plan stops asking for them once each level
-    costs drafting time, re-trying depth 2 now and then. (Counting only the depths a tree reached kept alpha_2..4 at their
-    prior and the plan at k = 4: a head that stops when unsure drafted 4 levels it never used.)"""
+    costs drafting time, re-trying depth 2 now and then. (Counting only the depths a tree
+    reached kept alpha_2..4 at their prior and the plan at k = 4: a head that stops when unsure
+    drafted 4 levels it never used.)"""
     cost = LatencyModel(verify_prior=(10.0, 0.0, 0.5), draft_prior=(0.0, 0.0, 0.0, 1.0))
     ctl = DraftController(ControllerConfig(max_draft_length=4, probe_interval=10**9), latency=cost,
                           priors=lambda cls: [0.8] * 4)
