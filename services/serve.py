@@ -34,32 +34,39 @@ def _worker_metrics(role: str, args) -> WorkerMetrics:
     return metrics
 
 
-async def _listen(args, role: str, pb2, service: str, add_servicer, servicer) -> tuple[Tls, GrpcServer]:
-    """Serve the role's gRPC service (TLS from its flags, reloaded on SIGHUP), listening at once
-    with health NOT_SERVING until the caller says it is ready."""
+def _server(args, role: str, pb2, service: str, add_servicer, servicer) -> tuple[Tls, GrpcServer]:
+    """The role's gRPC server (TLS from its flags, reloaded on SIGHUP). `async with` it listens at
+    once, health NOT_SERVING until the role says it is ready, and stops however the role ends."""
     tls = Tls.from_args(args, role)
     server = GrpcServer(args.host, int(args.port), [pb2.DESCRIPTOR.services_by_name[service].full_name],
                         credentials=tls.server_credentials())
     tls.watch_sighup()
     add_servicer(servicer, server.server)
-    await server.start()
     return tls, server
 
 
 async def serve_draft(args) -> None:
+    from specserve.v1 import draft_pb2, draft_pb2_grpc
+
+    servicer = StepServicer(None, codec.DRAFT)
+    _, server = _server(args, "draft", draft_pb2, "DraftService", draft_pb2_grpc.add_DraftServiceServicer_to_server,
+                        servicer)
+    async with server:  # NOT_SERVING while it loads
+        servicer.bind(await _draft_worker(args, model_thread("draft")))
+        await server.ready()
+        await server.run(float(args.grace_period))
+
+
+async def _draft_worker(args, thread) -> StepWorker:
+    """The draft's proposer, loaded on its model thread (worker.py), as a step worker. The target's
+    weights are needed only when it drafts for itself; otherwise its tokenizer and configuration
+    suffice (vocabulary check, context length)."""
     from services.common.constraint import Constraints
     from services.common.loading import load_model
     from services.common.metrics import CallbackCounter
     from services.draft.factory import build_proposer
     from services.draft.proposer import ProposeWork
-    from specserve.v1 import draft_pb2, draft_pb2_grpc
 
-    servicer = StepServicer(None, codec.DRAFT)
-    _, server = await _listen(args, "draft", draft_pb2, "DraftService",
-                              draft_pb2_grpc.add_DraftServiceServicer_to_server, servicer)  # NOT_SERVING: loading
-    # The target's weights are needed only when it drafts for itself; otherwise its tokenizer and
-    # configuration suffice (vocabulary check, context length). Loaded on the model thread (worker.py).
-    thread = model_thread("draft")
     target = await on_model_thread(thread, load_model, args.target, device=args.device, dtype=args.dtype,
                                    weights=args.draft == "self", weight_format=args.weights)
     proposer = await on_model_thread(thread, build_proposer, args.draft, target, device=args.device,
@@ -77,10 +84,8 @@ async def serve_draft(args) -> None:
                         "Switches of the draft from its SlimSpec head to the full head by the quality guard",
                         lambda: (slim_state() or {}).get("fallbacks", 0))
     grammars = Constraints(target.tokenizer, target.config.vocab_size, target.eos_token_ids)
-    servicer.bind(StepWorker(_worker_info("draft", target, args.device, proposer.name, proposer.feature_layers), 0,
-                             ProposeWork(proposer, grammars), metrics, thread))
-    await server.ready()
-    await server.run(float(args.grace_period))
+    return StepWorker(_worker_info("draft", target, args.device, proposer.name, proposer.feature_layers), 0,
+                      ProposeWork(proposer, grammars), metrics, thread)
 
 
 async def serve_verifier(args) -> None:
@@ -90,19 +95,20 @@ async def serve_verifier(args) -> None:
     from specserve.v1 import verifier_pb2, verifier_pb2_grpc
 
     servicer = StepServicer(None, codec.VERIFIER)
-    _, server = await _listen(args, "verifier", verifier_pb2, "VerifierService",
-                              verifier_pb2_grpc.add_VerifierServiceServicer_to_server, servicer)  # NOT_SERVING: loading
-    thread = model_thread("verifier")  # loads the model too (worker.py: one OpenMP thread team)
-    target = await on_model_thread(thread, load_model, args.target, device=args.device, dtype=args.dtype,
-                                   weight_format=args.weights)
-    grammars = Constraints(target.tokenizer, target.config.vocab_size, target.eos_token_ids)
-    verifier = await on_model_thread(thread, Verifier, target.model, grammars)
-    metrics = _worker_metrics("verifier", args)
-    metrics.weight_bytes.set(target.model.weight_bytes())
-    servicer.bind(StepWorker(_worker_info("verifier", target, args.device), 1, VerifyWork(verifier),
-                             metrics, thread))
-    await server.ready()
-    await server.run(float(args.grace_period))
+    _, server = _server(args, "verifier", verifier_pb2, "VerifierService",
+                        verifier_pb2_grpc.add_VerifierServiceServicer_to_server, servicer)
+    async with server:  # NOT_SERVING while it loads
+        thread = model_thread("verifier")  # loads the model too (worker.py: one OpenMP thread team)
+        target = await on_model_thread(thread, load_model, args.target, device=args.device, dtype=args.dtype,
+                                       weight_format=args.weights)
+        grammars = Constraints(target.tokenizer, target.config.vocab_size, target.eos_token_ids)
+        verifier = await on_model_thread(thread, Verifier, target.model, grammars)
+        metrics = _worker_metrics("verifier", args)
+        metrics.weight_bytes.set(target.model.weight_bytes())
+        servicer.bind(StepWorker(_worker_info("verifier", target, args.device), 1, VerifyWork(verifier),
+                                 metrics, thread))
+        await server.ready()
+        await server.run(float(args.grace_period))
 
 
 LOCAL = "local"  # the --draft-addrs value that drafts (n-gram) in the scheduler's own process
@@ -153,6 +159,17 @@ def _step_config(args):
 
 
 async def serve_scheduler(args) -> None:
+    from services.scheduler.servicer import SchedulerServicer
+    from specserve.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+    servicer = SchedulerServicer()
+    tls, server = _server(args, "scheduler", scheduler_pb2, "SchedulerService",
+                          scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server, servicer)
+    async with server:  # NOT_SERVING until a verifier answers and the warm-up is done
+        await _run_scheduler(args, tls, server, servicer)
+
+
+async def _run_scheduler(args, tls: Tls, server: GrpcServer, servicer) -> None:
     from transformers import AutoTokenizer
 
     from services.common.constraint import Constraints
@@ -163,13 +180,7 @@ async def serve_scheduler(args) -> None:
     from services.scheduler.observers import MetricsObserver, SpansObserver
     from services.scheduler.priors import Priors
     from services.scheduler.replicas import RemoteWorkers
-    from services.scheduler.servicer import SchedulerServicer
-    from specserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 
-    servicer = SchedulerServicer()
-    # health NOT_SERVING until a verifier answers and the warm-up is done
-    tls, server = await _listen(args, "scheduler", scheduler_pb2, "SchedulerService",
-                                scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server, servicer)
     spans = RequestSpans("specserve.scheduler")  # the servicer opens each request's span
     verifiers = RemoteWorkers("verifier", split_addrs(args.verifier_addrs), spans, tls.channel_credentials())
     info = await verifiers.info()  # the target's facts come from a verifier

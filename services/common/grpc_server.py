@@ -122,6 +122,15 @@ class GrpcServer:
         self.started = False
         self.is_serving = False
 
+    async def __aenter__(self) -> GrpcServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        """However the role ends (stopped, or failed before it served: a bad flag, a model that
+        will not load), nothing is left listening."""
+        await self.server.stop(None)
+
     async def start(self) -> None:
         """Listen: alive, not ready (the role's RPCs are refused until `ready()`)."""
         await self.server.start()

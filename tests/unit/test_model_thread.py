@@ -3,12 +3,14 @@ OpenMP thread team slows every forward), and then step on that same thread."""
 
 import argparse
 import asyncio
+import socket
 import threading
 
 import pytest
 
 from services import serve
 from services.common import loading
+from tests.integration.stack import free_port
 
 
 @pytest.mark.parametrize("role, extra", [("verifier", {}), ("draft", {"draft": "self"})])
@@ -20,11 +22,14 @@ def test_a_worker_loads_its_model_on_its_model_thread(monkeypatch, role, extra):
         raise RuntimeError("loaded")  # ends the role's start-up here
 
     monkeypatch.setattr(loading, "load_model", load)
+    port = free_port()
     args = argparse.Namespace(target="default", device="cpu", dtype="auto", weights="native", host="127.0.0.1",
-                              port=0, **extra)
+                              port=port, **extra)
     with pytest.raises(RuntimeError, match="loaded"):
         asyncio.run(serve.ROLE_MAIN[role](args))
     assert len(seen) == 1 and seen[0].startswith(role) and seen[0] != threading.main_thread().name
+    with pytest.raises(ConnectionRefusedError):  # a role that failed to start leaves nothing listening
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
 
 
 def test_steps_run_on_the_thread_the_model_was_loaded_on():
