@@ -125,7 +125,7 @@ def train_head(args, target, samples) -> dict:
         counts, args.compression_ratio, target.config.vocab_size, target.config.eos_token_ids)
     t2d = torch.full((target.config.vocab_size,), -1, dtype=torch.long)
     t2d[kept] = torch.arange(len(kept))
-    held_out, rest = samples[: args.held_out], samples[args.held_out :]
+    held_out, rest = feature_data.split(samples, args.held_out, args.seed)
     layers = tuple(int(x) for x in args.layers.split(","))
     config = HeadConfig.for_target(target.config, layers, len(kept), args.target, vocabulary_digest(target.tokenizer))
     embed = weights["model.embed_tokens.weight"].float().to(args.device)
@@ -171,6 +171,7 @@ def train_head(args, target, samples) -> dict:
             "batch_tokens": args.batch_tokens, "train_seconds": result["seconds"], "before": before,
             "after": result["held_out"], "dev": result["dev"], "ablation": ablation, "history": result["history"],
             "device": args.device, "precision": result["precision"], "passage_fraction": args.passage_fraction,
+            "sampled_fraction": args.sampled_fraction,
             "bytes": sum(f.stat().st_size for f in Path(args.out).iterdir() if f.is_file())}
 
 
@@ -194,6 +195,9 @@ def dev_samples(args, target, layers) -> list:
 def write_card(out: Path, info: dict) -> None:
     rows = "\n".join(f"| {d + 1} | {b['top1']:.3f} | {a['top1']:.3f} | {a['accept']:.3f} | {a['loss']:.3f} |"
                      for d, (b, a) in enumerate(zip(info["before"], info["after"])))
+    pf, sampled = info.get("passage_fraction", 0.0), 100 * info.get("sampled_fraction", 0.3)
+    passages = (f",\n  about {100 * pf:.0f}% of the answer tokens over passages of earlier answers (summaries,"
+                " questions over a\n  document, translations)" if pf else "")
     text = f"""# Feature-level draft head for {info.get('target', 'the default target')}
 
 An EAGLE-3-style head (services/draft/feature_head.py): the target's states after layers
@@ -203,8 +207,8 @@ An EAGLE-3-style head (services/draft/feature_head.py): the target's states afte
 
 ## How it was made (`make head`, scripts/train_head.py)
 
-- Data: {info['answers']} answers the target generated (greedy, 30% sampled at T=0.8 / top-p 0.95) to
-  prompts from the task templates in services/draft/training/prompts.py (never Spec-Bench),
+- Data: {info['answers']} answers the target generated (greedy, {sampled:.0f}% sampled at T=0.8 / top-p 0.95) to
+  prompts from the task templates in services/draft/training/prompts.py (never Spec-Bench){passages},
   batched {info.get('teacher_batch', 32)} wide, recording three layers' states and the top-32 next-token
   probabilities; {info['train_answers']} answers ({info['answer_tokens']} answer tokens) trained on,
   {info['held_out_answers']} held out. Teacher time: {info['teacher_seconds']:.0f} s.

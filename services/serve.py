@@ -70,7 +70,8 @@ async def _draft_worker(args, thread) -> StepWorker:
     target = await on_model_thread(thread, load_model, args.target, device=args.device, dtype=args.dtype,
                                    weights=args.draft == "self", weight_format=args.weights)
     proposer = await on_model_thread(thread, build_proposer, args.draft, target, device=args.device,
-                                     dtype=args.dtype, weight_format=args.weights, compression_ratio=float(args.compression_ratio),
+                                     dtype=args.dtype, weight_format=args.weights,
+                                     compression_ratio=float(args.compression_ratio),
                                      guard_points=float(args.slim_guard_points))
     if proposer is None:
         raise ValueError("a draft service needs a proposer: --draft ngram, self or a checkpoint path")

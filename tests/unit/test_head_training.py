@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from services.common.loading import load_model, load_weights
-from services.draft.training import head_trainer, teacher
+from services.draft.training import feature_data, head_trainer, teacher
 from tests import tiny
 from tests.tiny import target_states
 
@@ -131,7 +131,6 @@ def test_the_engine_teacher_answers_passage_prompts_after_the_template_ones(tiny
     """--passage-fraction with the engine's teacher (a CPU run): the second stage's prompts quote
     first-stage answers and are numbered after them; a rerun reads the same cache back."""
     from services.common.loading import load_model
-    from services.draft.training import feature_data
 
     target = load_model(str(tiny_target))
     plan = feature_data.TeacherPlan((0, 1), prompts=16, tokens=10**6, max_tokens=8, sampled_fraction=0.0,
@@ -185,3 +184,15 @@ def test_passage_prompts_quote_the_first_stage_and_name_its_language():
         text = p.split(": ", 1)[1]
         assert p == f"Translate {dict(foreign)[text]} to English: {text}"
     assert all(any(x in p for x in passages) for p in prompts if p not in translations)
+
+
+def test_the_held_out_answers_and_the_training_share_come_from_every_stage():
+    """The cache holds its stages in turn (foreign-language prompts, templates, passages): the
+    held-out answers and an ablation's first quarter are drawn across all of it."""
+    samples = [("foreign", i) for i in range(20)] + [("template", i) for i in range(60)] + \
+              [("passage", i) for i in range(20)]
+    held_out, rest = feature_data.split(samples, 30, seed=4)
+    assert sorted(held_out + rest) == sorted(samples)
+    assert {kind for kind, _ in held_out} == {"foreign", "template", "passage"}
+    assert {kind for kind, _ in rest[: len(rest) // 4]} == {"foreign", "template", "passage"}
+    assert feature_data.split(samples, 30, seed=4) == (held_out, rest)  # a resumed run trains on the same

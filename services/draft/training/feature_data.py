@@ -80,6 +80,16 @@ def answer_tokens(samples) -> int:
     return sum(len(s.ids) - s.prompt_len for s in samples)
 
 
+def split(samples: list, held_out: int, seed: int) -> tuple[list, list]:
+    """(held-out answers, the rest), both drawn across the whole cache in a seeded order: the
+    cache holds its stages in turn (foreign-language prompts, templates, passages), so a slice
+    from its front would hold out one kind of answer, and a data-size ablation's first quarter
+    would miss the passages."""
+    order = list(range(len(samples)))
+    random.Random(seed).shuffle(order)
+    return [samples[i] for i in order[:held_out]], [samples[i] for i in order[held_out:]]
+
+
 def build(target, work: Path, plan: TeacherPlan, minutes: float) -> tuple[list[teacher.Sample], float]:
     """Extend the cache (at most `minutes` of generation) and return every cached answer, in
     prompt order, with the total teacher seconds. With plan.passage_fraction, two stages as
