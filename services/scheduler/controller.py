@@ -24,6 +24,8 @@ from services.scheduler.trim import trim, trimmable
 
 log = logging.getLogger(__name__)
 
+PROBE_BACKOFF = 8  # a request's probe interval grows to at most this many times probe_interval
+
 PriorLookup = Callable[[str], list]  # request class -> [alpha_1..alpha_max or None]
 
 
@@ -35,7 +37,10 @@ class ControllerConfig:
     adjust_interval_ms: float = 0.0  # re-plan at most this often (0 = every step)
     # A request whose draft has not reached past its planned k for this many steps drafts one
     # level deeper for a step (a probe): a pessimistic estimate (a request class's shared prior
-    # after a run of bad drafts) is re-measured instead of holding it at that k for ever.
+    # after a run of bad drafts) is re-measured instead of holding it at that k for ever. A probe
+    # whose level is rejected doubles the request's interval (up to PROBE_BACKOFF times this),
+    # until one is accepted or the plan raises its k: where drafting does not pay, probes are
+    # pure cost.
     probe_interval: int = 16
     rejection_alert: float = 0.85  # warn when more than this share of draft tokens is rejected
     log_interval_s: float = 10.0  # at most one line per kind per interval
@@ -82,6 +87,8 @@ class DraftController:
         self.calibration = NodeCalibration()  # node confidence -> acceptance, for trimming
         self.trimmed: dict[str, bool] = {}  # request -> its last tree could be trimmed
         self.idle: dict[str, int] = {}  # request -> steps since its draft last reached past its planned k
+        self.probe_every: dict[str, int] = {}  # request -> its probe interval now (backed off)
+        self.probing: dict[str, int] = {}  # request -> the depth it probes this step
         self.scales: dict[str, RequestScale] = {}  # request -> how its nodes fare vs the calibration
         self.proposed_nodes = 0  # draft nodes proposed, and kept for verification after trimming
         self.kept_nodes = 0
@@ -98,7 +105,8 @@ class DraftController:
         self._planned_at = -math.inf  # a newcomer gets a plan at once
 
     def remove(self, req_id: str) -> None:
-        for d in (self.accept, self.classes, self.current, self.trimmed, self.scales, self.idle):
+        for d in (self.accept, self.classes, self.current, self.trimmed, self.scales, self.idle, self.probe_every,
+                  self.probing):
             d.pop(req_id, None)
 
     # -- choosing -------------------------------------------------------------------------------
@@ -116,14 +124,20 @@ class DraftController:
                                min_k=cfg.min_draft_length, width=cfg.tree_width, trimmed=self.trimmed.get(rid, False))
                      for rid, cap in caps.items()]
             self.last_plan = plan(cands, self.latency)
+            for rid, k in self.last_plan.k.items():
+                if k > self.current.get(rid, k):  # its estimate improved: probe at the base interval again
+                    self.probe_every.pop(rid, None)
             self.current.update(self.last_plan.k)
             self._planned_at = now
             self._report(self.last_plan)
         out = {}
         for rid, cap in caps.items():
             k = max(0, min(self.current.get(rid, 0), cap))
-            if k < cap and self.idle.get(rid, 0) >= self.config.probe_interval:
+            every = self.probe_every.get(rid, self.config.probe_interval)
+            if k < cap and self.idle.get(rid, 0) >= every:
                 k += 1  # a probe, this step only (see ControllerConfig.probe_interval)
+                self.idle[rid] = 0  # counted from here, even if the trim then cuts the probe
+                self.probing[rid] = k
             out[rid] = Decision(k, k * self.config.tree_width)
         return out
 
@@ -173,6 +187,7 @@ class DraftController:
             if acc is None:
                 continue
             self.idle[rid] = 0 if depth > self.current.get(rid, 0) else self.idle.get(rid, 0) + 1
+            self._probed(rid, accepted)
             self.predicted_tokens += expected_tokens(acc.rates(), k)
             self.observed_tokens += output
             acc.observe(k, accepted)
@@ -183,6 +198,17 @@ class DraftController:
         if rejected > self.config.rejection_alert and self._may_log("rejection"):
             log.warning("draft rejection rate exceeded threshold (%.0f%%): %.0f%% of recent draft tokens rejected",
                         100 * self.config.rejection_alert, 100 * rejected)
+
+    def _probed(self, rid: str, accepted: int) -> None:
+        """A probe whose level was accepted keeps the base interval; one that failed doubles it."""
+        depth = self.probing.pop(rid, None)
+        if depth is None:
+            return
+        if accepted >= depth:
+            self.probe_every.pop(rid, None)
+        else:
+            every = self.probe_every.get(rid, self.config.probe_interval)
+            self.probe_every[rid] = min(2 * every, PROBE_BACKOFF * self.config.probe_interval)
 
     # -- reporting ------------------------------------------------------------------------------
     def _may_log(self, kind: str) -> bool:

@@ -59,6 +59,19 @@ def test_probes_of_a_draft_that_is_never_right_are_rare_and_one_level_deep():
     assert 1 <= sum(ks) <= 64 // 8
 
 
+def test_probes_of_a_draft_that_never_pays_back_off():
+    """Each rejected probe doubles the request's interval (8, 16, 32, 64, then 64 at the cap): 6
+    probes in 256 steps, where a fixed interval would probe 28 times, each a drafted and verified
+    level that pays nothing (in-process at batch 8, a step of 8 head probes cost 30 ms against
+    a 15 ms plain step). The hopeless-prior test above keeps its probes: accepted ones do not
+    back off."""
+    ctl = controller(probe_interval=8)
+    ctl.add("r")
+    ks = run(ctl, "r", 256, accept_all=False)
+    probes = [i for i, k in enumerate(ks) if k]
+    assert [b - a for a, b in zip(probes, probes[1:])] == [17, 33, 65, 65, 65]
+
+
 def test_greedy_requests_are_priced_as_trimmed_from_their_first_step():
     """A greedy request's tree is always trimmable, so its depth costs drafting only from the
     start (trimming then keeps the nodes that pay); a sampling one's first plan pays per node."""
