@@ -210,7 +210,9 @@ def test_sustained_overload_keeps_queues_and_memory_bounded(overload):
     print(f"\nsustained {SUSTAIN_S:.0f} s: {tally.ok + tally.refused + len(tally.bad)} requests, {tally.ok} x 200, "
           f"{tally.refused} x 429; RSS KiB (first, peak, last): {report}")
     assert tally.bad == []
-    assert tally.ok > 0 and tally.refused > tally.ok  # it was overloaded, and still served
+    # It was overloaded (admission refused some) and still served. How many of each depends on
+    # the machine's speed: a fast one serves more than it refuses at the same firing rate.
+    assert tally.ok > 0 and tally.refused > 0
     # The bounds held at every sample: the queue, the batch and the KV reservations.
     waiting = max(g["specserve:num_requests_waiting"] for g in gauges)
     running = max(g["specserve:num_requests_running"] for g in gauges)
