@@ -65,7 +65,7 @@ def parse_args(argv=None):
                    help="train on this fraction of the answers (the data-size ablation)")
     p.add_argument("--init", default="", help="continue from this trained head (same target and layers)")
     p.add_argument("--held-out", type=int, default=30,
-                   help="answers held out for the card's metrics (the first ones, whatever the cache holds)")
+                   help="answers held out for the card's metrics, drawn across the whole cache (seeded)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1), help="torch threads")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
@@ -78,6 +78,9 @@ def parse_args(argv=None):
     p.add_argument("--passage-fraction", type=float, default=0.0,
                    help="this fraction of --prompts (and of --tokens, for the engine's teacher) are tasks over the "
                         "first stage's answers: summaries, questions over documents, translation")
+    p.add_argument("--word-topics", type=float, default=0.0,
+                   help="this share of the template prompts take their topics from the target's vocabulary's "
+                        "words instead of the templates' few dozen subjects")
     p.add_argument("--ablation", default="", help="also train on these data fractions (e.g. 0.25,0.5): metrics only")
     p.add_argument("--eval-questions", default="",
                    help="Spec-Bench JSONL: held-out metrics on its first question per category too (never trained on)")
@@ -96,7 +99,7 @@ def main(argv=None) -> int:
     target = load_model(args.target, weights=engine)
     plan = feature_data.TeacherPlan(tuple(int(x) for x in args.layers.split(",")), args.prompts, args.tokens,
                                     args.max_tokens, args.sampled_fraction, args.teacher_batch, args.seed,
-                                    args.passage_fraction)
+                                    args.passage_fraction, args.word_topics)
     if args.teacher == "hf":
         samples, seconds = feature_data.build_hf(target, Path(args.work), plan, args.device)
     else:
@@ -171,7 +174,7 @@ def train_head(args, target, samples) -> dict:
             "batch_tokens": args.batch_tokens, "train_seconds": result["seconds"], "before": before,
             "after": result["held_out"], "dev": result["dev"], "ablation": ablation, "history": result["history"],
             "device": args.device, "precision": result["precision"], "passage_fraction": args.passage_fraction,
-            "sampled_fraction": args.sampled_fraction,
+            "sampled_fraction": args.sampled_fraction, "word_topics": args.word_topics,
             "bytes": sum(f.stat().st_size for f in Path(args.out).iterdir() if f.is_file())}
 
 
@@ -198,6 +201,9 @@ def write_card(out: Path, info: dict) -> None:
     pf, sampled = info.get("passage_fraction", 0.0), 100 * info.get("sampled_fraction", 0.3)
     passages = (f",\n  about {100 * pf:.0f}% of the answer tokens over passages of earlier answers (summaries,"
                 " questions over a\n  document, translations)" if pf else "")
+    wt = info.get("word_topics", 0.0)
+    passages += (f",\n  {100 * wt:.0f}% of the template prompts on two words of the target's vocabulary as topics"
+                 if wt else "")
     text = f"""# Feature-level draft head for {info.get('target', 'the default target')}
 
 An EAGLE-3-style head (services/draft/feature_head.py): the target's states after layers

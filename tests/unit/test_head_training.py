@@ -136,7 +136,7 @@ def test_the_engine_teacher_answers_passage_prompts_after_the_template_ones(tiny
     plan = feature_data.TeacherPlan((0, 1), prompts=16, tokens=10**6, max_tokens=8, sampled_fraction=0.0,
                                     batch=8, seed=0, passage_fraction=0.5)
     samples, seconds = feature_data.build(target, tmp_path, plan, minutes=5)
-    first, foreign, second = plan.stage_one()
+    first, foreign, second = plan.stage_one(target.tokenizer)
     assert (len(first), len(foreign), second) == (9, 1, 8)  # the foreign prompt first, then 8 templates
     assert len(samples) == 17 and seconds > 0
     answers = [target.tokenizer.decode(s.ids[s.prompt_len :], skip_special_tokens=True).strip() for s in samples[:9]]
@@ -196,3 +196,23 @@ def test_the_held_out_answers_and_the_training_share_come_from_every_stage():
     assert {kind for kind, _ in held_out} == {"foreign", "template", "passage"}
     assert {kind for kind, _ in rest[: len(rest) // 4]} == {"foreign", "template", "passage"}
     assert feature_data.split(samples, 30, seed=4) == (held_out, rest)  # a resumed run trains on the same
+
+
+def test_word_topics_take_subjects_from_the_vocabulary():
+    """topic_words: the tokenizer's whole lowercase words (the default target's, thousands); with
+    them as topics about half the topic prompts (word_share 0.5) name no subject of TOPICS, the
+    same seed gives the same prompts, and a plan with word topics caches apart."""
+    from services.draft.training.prompts import TOPICS, make_prompts, topic_words
+
+    words = topic_words(load_model("default", weights=False).tokenizer)
+    assert len(words) > 5000 and words == sorted(words)
+    assert all(w.isascii() and w.isalpha() and w.islower() and len(w) >= 6 for w in words)
+
+    def known(prompts):
+        return sum(any(t in p for t in TOPICS) for p in prompts)
+
+    plain, mixed = make_prompts(400, seed=3), make_prompts(400, 3, words, 0.5)
+    assert mixed == make_prompts(400, 3, words, 0.5)
+    assert 0.3 * known(plain) < known(mixed) < 0.7 * known(plain)
+    plan = feature_data.TeacherPlan((0,), 8, 100, 8, 0.0, 8, 0, word_topics=0.5)
+    assert plan.key().endswith("-w0.5") and not replace(plan, word_topics=0.0).key().endswith("-w0.0")

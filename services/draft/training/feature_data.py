@@ -18,7 +18,7 @@ import torch
 
 from services.common.prompt import encode_prompt
 from services.draft.training import hf_teacher, teacher
-from services.draft.training.prompts import make_foreign_prompts, make_passage_prompts, make_prompts
+from services.draft.training.prompts import make_foreign_prompts, make_passage_prompts, make_prompts, topic_words
 
 log = logging.getLogger(__name__)
 SHARD = 64  # answers per shard file
@@ -34,19 +34,23 @@ class TeacherPlan:
     batch: int
     seed: int
     passage_fraction: float = 0.0  # prompts (and answer tokens) of the second stage: tasks over a passage
+    word_topics: float = 0.0  # template prompts whose topics are words of the target's vocabulary
 
     def key(self) -> str:
         layers = "-".join(map(str, self.layers))
         passages = f"-p{self.passage_fraction}" if self.passage_fraction else ""
-        return f"L{layers}-t{self.max_tokens}-s{self.seed}-f{self.sampled_fraction}{passages}"
+        words = f"-w{self.word_topics}" if self.word_topics else ""
+        return f"L{layers}-t{self.max_tokens}-s{self.seed}-f{self.sampled_fraction}{passages}{words}"
 
-    def stage_one(self) -> tuple[list[str], list[tuple[str, str]], int]:
+    def stage_one(self, tokenizer) -> tuple[list[str], list[tuple[str, str]], int]:
         """(the first stage's prompts, the foreign-language ones among them with their language,
         how many second-stage prompts follow). The foreign prompts come first: the first stage
         may stop at its share of tokens, and the second stage translates their answers."""
         second = round(self.passage_fraction * self.prompts)
         foreign = make_foreign_prompts(second // 8, seed=self.seed) if second else []
-        return [p for p, _ in foreign] + make_prompts(self.prompts - second, seed=self.seed), foreign, second
+        words = topic_words(tokenizer) if self.word_topics else []
+        templated = make_prompts(self.prompts - second, self.seed, words, self.word_topics)
+        return [p for p, _ in foreign] + templated, foreign, second
 
 
 def passage_prompts(target, plan: TeacherPlan, answers: list[teacher.Sample | None], foreign: list[tuple[str, str]],
@@ -99,7 +103,7 @@ def build(target, work: Path, plan: TeacherPlan, minutes: float) -> tuple[list[t
     done, seconds = load_shards(work, plan)
     have = answer_tokens(done.values())
     log.info("teacher cache %s: %d answers, %d answer tokens", work / plan.key(), len(done), have)
-    first, foreign, second = plan.stage_one()
+    first, foreign, second = plan.stage_one(target.tokenizer)
     share = round(plan.tokens * (1 - plan.passage_fraction)) if second else plan.tokens
     deadline = time.monotonic() + 60 * minutes
     started = not second or any(i >= len(first) for i in done)  # the second stage has begun
@@ -170,7 +174,7 @@ def build_hf(target, work: Path, plan: TeacherPlan, device: str) -> tuple[list[t
         return cached["samples"], cached["seconds"]
     started = time.monotonic()
     model = hf_teacher.load(target.path, device)
-    first, foreign, second = plan.stage_one()
+    first, foreign, second = plan.stage_one(target.tokenizer)
     samples = _answer_hf(model, target, first, plan)
     if second:
         samples += _answer_hf(model, target, passage_prompts(target, plan, samples, foreign, second), plan)

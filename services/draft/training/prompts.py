@@ -138,13 +138,27 @@ def _broken(rng: random.Random) -> str:
                        "I has three cat and one dogs"])
 
 
-def make_prompts(n: int, seed: int = 0) -> list[str]:
-    """n distinct prompts from the templates (deterministic for a seed)."""
+def topic_words(tokenizer, min_letters: int = 6) -> list[str]:
+    """Whole lowercase words in the tokenizer's vocabulary (tokens that start a word: a leading
+    byte-level "Ġ" or SentencePiece "▁"), sorted: thousands of subjects beside TOPICS' few dozen."""
+    words = set()
+    for token in tokenizer.get_vocab():
+        word = token[1:] if token[:1] in ("Ġ", "▁") else ""
+        if len(word) >= min_letters and word.isascii() and word.isalpha() and word.islower():
+            words.add(word)
+    return sorted(words)
+
+
+def make_prompts(n: int, seed: int = 0, words: list[str] = (), word_share: float = 0.0) -> list[str]:
+    """n distinct prompts from the templates (deterministic for a seed). With `words`, a prompt's
+    topics are two of them with probability `word_share`, else two of TOPICS: the answers then
+    range over far more subjects than the templates' own (a head trained on those few learned
+    what the target says about them, and generalized less)."""
     rng = random.Random(seed)
     out, seen = [], set()
     while len(out) < n:
         names = rng.sample(NAMES, 3)
-        t1, t2 = rng.sample(TOPICS, 2)
+        t1, t2 = rng.sample(words if words and rng.random() < word_share else TOPICS, 2)
         a, b, c = rng.randint(2, 60), rng.randint(2, 40), rng.randint(1, 20)
         prompt = rng.choice(TEMPLATES).format(
             topic=t1, topic2=t2, name=names[0], name2=names[1], name3=names[2],
