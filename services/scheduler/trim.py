@@ -97,9 +97,10 @@ def trim(trees: list[DraftTree], calib: NodeCalibration, latency: LatencyModel, 
     ranked.sort(key=lambda x: (-x[0], x[1], x[2]))  # parents and earlier siblings first on ties
     base_nodes, base_tokens = fixed_nodes + forced_nodes, batch + forced_gain
     best_n, best_ratio, gained = 0, -1.0, 0.0
-    for n in range(len(ranked) + 1):  # every prefix, at the latency model's cost (not linear in n)
+    costs = latency.verify_ms_from(batch, base_nodes, len(ranked) + 1)
+    for n, ms in enumerate(costs):  # every prefix, at the latency model's cost (not linear in n)
         gained += ranked[n - 1][0] if n else 0.0
-        ratio = (base_tokens + gained) / max(spent_ms + latency.verify_ms(batch, base_nodes + n), 1e-9)
+        ratio = (base_tokens + gained) / max(spent_ms + ms, 1e-9)
         if ratio > best_ratio:
             best_n, best_ratio = n, ratio
     for _, r, i in ranked[:best_n]:

@@ -147,3 +147,16 @@ def test_confidence_travels_with_the_tree():
     back = codec.tree_from_pb(codec.tree_to_pb(t))
     assert back.tokens == [4, 5] and back.confidence == pytest.approx([0.8, 0.25])
     assert codec.tree_from_pb(codec.tree_to_pb(DraftTree())).confidence == []
+
+
+def test_the_prefix_costs_equal_one_call_each():
+    """LatencyModel.verify_ms_from (the trim's every-prefix pricing) gives exactly verify_ms per
+    node count: across the route step, along a measured row curve and past its last point."""
+    from services.scheduler.latency import RowCurve
+
+    lat = LatencyModel(verify_prior=(9.0, 1.5, 0.7, 4.0, 1.0), route_rows=7)
+    for curve in (None, RowCurve({1: 0.0, 4: 0.5, 8: 3.0, 13: 4.5})):
+        if curve is not None:
+            lat.set_curve(curve)
+        for batch, nodes in ((1, 0), (3, 2), (8, 0)):
+            assert lat.verify_ms_from(batch, nodes, 30) == [lat.verify_ms(batch, n) for n in range(nodes, nodes + 30)]
