@@ -69,19 +69,16 @@ class NgramProposer(Proposer):
     @staticmethod
     def _extend(arr: np.ndarray, starts: np.ndarray, n: int) -> np.ndarray:
         """Match length of each n-gram occurrence starting at `starts`: n plus how many tokens
-        before it agree with those before the request's last n (up to MAX_MATCH_LENGTH)."""
-        lengths = np.full(len(starts), n)
-        alive = np.ones(len(starts), dtype=bool)
-        for j in range(1, MAX_MATCH_LENGTH - n + 1):
-            if len(arr) - n - j < 0:
-                break
-            before = starts - j
-            alive &= before >= 0
-            alive[alive] = arr[before[alive]] == arr[len(arr) - n - j]
-            if not alive.any():
-                break
-            lengths += alive
-        return lengths
+        before it agree with those before the request's last n (up to MAX_MATCH_LENGTH). One
+        [occurrences, offsets] comparison: a numpy call per offset was most of a lookup."""
+        end = len(arr) - n  # where the request's last n tokens start
+        span = min(MAX_MATCH_LENGTH - n, end)
+        if span <= 0 or not len(starts):
+            return np.full(len(starts), n)
+        j = np.arange(1, span + 1)
+        before = starts[:, None] - j[None, :]  # [occurrences, span]: the token j before each occurrence
+        same = (before >= 0) & (arr[np.maximum(before, 0)] == arr[end - j][None, :])
+        return n + np.cumprod(same, axis=1).sum(axis=1)  # agreeing offsets before the first that is not
 
     def continuations(self, tokens: list[int], length: int) -> list[list[int]]:
         """Up to max_continuations distinct token lists of at most `length` tokens, best first."""

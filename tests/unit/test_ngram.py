@@ -53,3 +53,31 @@ def test_a_longer_match_gives_more_confidence():
     long = p.tree([5, 6, 1, 2, 3, 4, 9, 5, 6, 1, 2, 3], draft_length=1, tree_size=1)  # 5 agree
     assert short.tokens == long.tokens == [4]
     assert short.confidence == [3 / 4] and long.confidence == [5 / 6]
+
+
+def test_match_lengths_equal_a_token_by_token_count():
+    """_extend (one array comparison for every occurrence and offset) counts, for each
+    occurrence of the last n tokens, n plus the tokens before it that agree with those before the
+    request's end, up to MAX_MATCH_LENGTH and the start of the context: a brute-force count on
+    random contexts over a small alphabet (long agreeing runs) and on repeated text."""
+    import random
+
+    import numpy as np
+
+    from services.draft.ngram import MAX_MATCH_LENGTH
+
+    def brute(arr, start, n):
+        end, j = len(arr) - n, 1
+        while j <= MAX_MATCH_LENGTH - n and j <= end and start - j >= 0 and arr[start - j] == arr[end - j]:
+            j += 1
+        return n + j - 1
+
+    rng = random.Random(5)
+    contexts = [[rng.randrange(3) for _ in range(rng.randrange(4, 120))] for _ in range(200)]
+    contexts += [list(range(20)) * 4, [7] * 50]
+    for tokens in contexts:
+        arr = np.asarray(tokens, dtype=np.int64)
+        for n in (1, 2, 3):
+            starts = np.nonzero(arr[: len(arr) - n] == arr[-n])[0] if len(arr) > n else np.zeros(0, dtype=np.int64)
+            got = NgramProposer._extend(arr, starts, n).tolist()
+            assert got == [brute(tokens, int(s), n) for s in starts], (tokens, n)
