@@ -19,13 +19,12 @@ log = logging.getLogger(__name__)
 
 
 def _worker_info(role: str, loaded, device: str, proposer: str = "",
-                 feature_layers: tuple[int, ...] = (), lookup_only: bool = False) -> common_pb2.InfoResponse:
+                 feature_layers: tuple[int, ...] = ()) -> common_pb2.InfoResponse:
     c = loaded.config
     route_rows = loaded.model.matmul.small_rows if role == "verifier" else 0
     return common_pb2.InfoResponse(model=loaded.name, vocab_size=c.vocab_size, max_positions=c.max_positions,
                                    eos_token_ids=list(c.eos_token_ids), role=role, proposer=proposer,
-                                   device=device, route_rows=route_rows, feature_layers=list(feature_layers),
-                                   lookup_only=lookup_only)
+                                   device=device, route_rows=route_rows, feature_layers=list(feature_layers))
 
 
 def _worker_metrics(role: str, args) -> WorkerMetrics:
@@ -86,8 +85,8 @@ async def _draft_worker(args, thread) -> StepWorker:
                         "Switches of the draft from its SlimSpec head to the full head by the quality guard",
                         lambda: (slim_state() or {}).get("fallbacks", 0))
     grammars = Constraints(target.tokenizer, target.config.vocab_size, target.eos_token_ids)
-    info = _worker_info("draft", target, args.device, proposer.name, proposer.feature_layers, not proposer.runs_model)
-    return StepWorker(info, 0, ProposeWork(proposer, grammars), metrics, thread)
+    return StepWorker(_worker_info("draft", target, args.device, proposer.name, proposer.feature_layers), 0,
+                      ProposeWork(proposer, grammars), metrics, thread)
 
 
 async def serve_verifier(args) -> None:
@@ -126,9 +125,9 @@ def _local_draft(info: common_pb2.InfoResponse, grammars):
 
     draft_info = common_pb2.InfoResponse(model=info.model, vocab_size=info.vocab_size,
                                          max_positions=info.max_positions, eos_token_ids=info.eos_token_ids,
-                                         role="draft", proposer=NgramProposer.name, device="cpu", lookup_only=True)
+                                         role="draft", proposer=NgramProposer.name, device="cpu")
     worker = StepWorker(draft_info, 0, ProposeWork(NgramProposer(), grammars))
-    return LocalWorkers("draft", worker, contain_errors=True, lookup_only=True), NgramProposer.name
+    return LocalWorkers("draft", worker, contain_errors=True), NgramProposer.name
 
 
 async def _drafts(args, info: common_pb2.InfoResponse, spans, grammars, credentials=None):
@@ -146,7 +145,6 @@ async def _drafts(args, info: common_pb2.InfoResponse, spans, grammars, credenti
     except RuntimeError:
         return drafts, "unknown"
     drafts.feature_layers = tuple(draft_info.feature_layers)  # the verifier is asked for these states
-    drafts.lookup_only = draft_info.lookup_only
     return drafts, draft_info.proposer
 
 

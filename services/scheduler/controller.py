@@ -45,12 +45,6 @@ class ControllerConfig:
     rejection_alert: float = 0.85  # warn when more than this share of draft tokens is rejected
     log_interval_s: float = 10.0  # at most one line per kind per interval
     route_rows: int = 0  # the verifier's matmul route step (latency.LatencyModel; 0 = none)
-    # The draft runs no model (an n-gram lookup): a request whose trees are trimmed and that the
-    # plan lets draft at all drafts at its cap. A deeper lookup costs nothing more, and the trim
-    # sees what the plan cannot (how long this step's match is); planned from average acceptance,
-    # a 15-token verbatim match was cut at the depth an average step earns. Whether to draft stays
-    # the plan's: a lookup costs about 0.2 ms a request, which under load does not pay.
-    draft_at_cap: bool = False
 
     def validate(self) -> None:
         if not 0 <= self.min_draft_length <= self.max_draft_length:
@@ -144,8 +138,6 @@ class DraftController:
                 k += 1  # a probe, this step only (see ControllerConfig.probe_interval)
                 self.idle[rid] = 0  # counted from here, even if the trim then cuts the probe
                 self.probing[rid] = k
-            if k and self.config.draft_at_cap and self.trimmed.get(rid, False):
-                k = min(cap, self.config.max_draft_length)  # how deep: the trim's call (ControllerConfig)
             out[rid] = Decision(k, k * self.config.tree_width)
         return out
 

@@ -106,7 +106,7 @@ class StepCore:
         if config.adaptive and drafts is not None:
             cc = ControllerConfig(config.min_draft_length, config.max_draft_length, config.tree_width,
                                   config.adjust_interval_ms, rejection_alert=config.rejection_alert,
-                                  route_rows=target.route_rows, draft_at_cap=drafts.lookup_only)
+                                  route_rows=target.route_rows)
             self.controller = DraftController(cc, priors=lambda cls: self.priors.priors(cls, cc.max_draft_length))
         self.admission = Admission(config.kv_budget_tokens, config.max_waiting, config.max_batch)
         self.prefill = Prefill(StepBudget(config.max_step_tokens, config.target_itl_ms))

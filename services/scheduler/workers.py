@@ -51,7 +51,6 @@ class Workers(ABC):
     kind: str  # "draft" or "verifier"
     max_positions: int | None = None  # a draft's context, when it has one: it stops drafting there
     feature_layers: tuple[int, ...] = ()  # a feature-level draft: the target layers it reads
-    lookup_only: bool = False  # a draft that runs no model (an n-gram lookup): depth costs it nothing
 
     @abstractmethod
     async def step(self, step_id: int, works: list[Work]) -> Reply:
@@ -93,9 +92,9 @@ class LocalWorkers(Workers):
     otherwise it raises (the in-process engine)."""
 
     def __init__(self, kind: str, worker: StepWorker, max_positions: int | None = None,
-                 contain_errors: bool = False, feature_layers: tuple[int, ...] = (), lookup_only: bool = False):
+                 contain_errors: bool = False, feature_layers: tuple[int, ...] = ()):
         self.kind, self.worker, self.max_positions = kind, worker, max_positions
-        self.feature_layers, self.lookup_only = tuple(feature_layers), lookup_only
+        self.feature_layers = tuple(feature_layers)
         self.contain_errors = contain_errors
         self.sent: dict[str, int] = {}  # request id -> committed tokens the worker has
 

@@ -85,7 +85,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model", "vocab_size", "max_positions", "eos_token_ids", "role", "proposer", "device", "route_rows", "feature_layers", "lookup_only")
+    __slots__ = ("model", "vocab_size", "max_positions", "eos_token_ids", "role", "proposer", "device", "route_rows", "feature_layers")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_POSITIONS_FIELD_NUMBER: _ClassVar[int]
@@ -95,7 +95,6 @@ class InfoResponse(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     ROUTE_ROWS_FIELD_NUMBER: _ClassVar[int]
     FEATURE_LAYERS_FIELD_NUMBER: _ClassVar[int]
-    LOOKUP_ONLY_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     max_positions: int
@@ -105,8 +104,7 @@ class InfoResponse(_message.Message):
     device: str
     route_rows: int
     feature_layers: _containers.RepeatedScalarFieldContainer[int]
-    lookup_only: bool
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_positions: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., role: _Optional[str] = ..., proposer: _Optional[str] = ..., device: _Optional[str] = ..., route_rows: _Optional[int] = ..., feature_layers: _Optional[_Iterable[int]] = ..., lookup_only: _Optional[bool] = ...) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_positions: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., role: _Optional[str] = ..., proposer: _Optional[str] = ..., device: _Optional[str] = ..., route_rows: _Optional[int] = ..., feature_layers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HiddenStates(_message.Message):
     __slots__ = ("start", "rows", "width", "data")

@@ -222,18 +222,3 @@ def test_the_verifier_route_step_reaches_the_scheduler_cost_model(tmp_path, home
         assert "nodes, rows > 2, row curve" in sched.log.read_text()
     finally:
         st.stop_all()
-
-
-def test_a_draft_service_says_whether_it_runs_a_model(tmp_path, home, stack):
-    """Info.lookup_only: true for an n-gram draft service (the adaptive scheduler then drafts its
-    trimmed requests at their cap), false for a model draft."""
-    st = Stack(tmp_path, stack_env(home))
-    ngram = st.start("draft", "--target", str(stack.target), "--draft", "ngram")
-    try:
-        st.wait_healthy(ngram)
-        for addr, lookup_only in ((ngram.addr, True), (stack.draft_addr, False)):
-            with grpc.insecure_channel(addr) as ch:
-                info = draft_pb2_grpc.DraftServiceStub(ch).Info(common_pb2.InfoRequest(), timeout=5)
-            assert info.lookup_only == lookup_only, (addr, info)
-    finally:
-        st.stop_all()

@@ -102,26 +102,3 @@ def test_a_draft_that_stops_early_is_priced_by_what_it_offers():
     assert ks[0] == 4  # the prior says every level pays
     tail = ks[-32:]  # depth 2 is re-tried as its failures fade toward the prior
     assert max(tail) <= 2 and tail.count(1) >= 24
-
-
-def test_a_lookup_draft_drafts_trimmed_requests_at_their_cap():
-    """draft_at_cap (the draft runs no model): a request whose trees are trimmed and that the plan
-    lets draft drafts at its cap (the request's own, within max_draft_length), since the trim,
-    which sees this step's match, keeps what pays; one the plan holds at k = 0 drafts nothing, and
-    one whose trees are not trimmed (a sampling one before its first tree) is planned as before."""
-    cost = LatencyModel(verify_prior=(10.0, 0.0, 3.0), draft_prior=(0.0, 0.0, 0.01, 0.01))
-    for at_cap in (False, True):
-        ctl = DraftController(ControllerConfig(max_draft_length=8, draft_at_cap=at_cap), latency=cost,
-                              priors=lambda cls: [0.3] * 8)
-        ctl.latency.verify.observe = ctl.latency.draft.observe = lambda *a: None
-        ctl.add("greedy", greedy=True)
-        ctl.add("sampled", greedy=False)
-        chosen = ctl.choose({"greedy": 12, "sampled": 12})
-        assert chosen["sampled"].k == 0
-        assert chosen["greedy"].k == (8 if at_cap else 4)  # planned: alpha^5 pays less than a level costs
-        assert chosen["greedy"].tree_size == chosen["greedy"].k
-        if at_cap:
-            assert ctl.choose({"greedy": 3, "sampled": 3})["greedy"].k == 3
-    ctl.add("hopeless", greedy=True)
-    ctl.accept["hopeless"].prior = [0.0] * 8
-    assert ctl.choose({"hopeless": 12})["hopeless"].k == 0  # the plan's no stands
