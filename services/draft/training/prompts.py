@@ -151,9 +151,9 @@ def topic_words(tokenizer, min_letters: int = 6) -> list[str]:
 
 def make_prompts(n: int, seed: int = 0, words: list[str] = (), word_share: float = 0.0) -> list[str]:
     """n distinct prompts from the templates (deterministic for a seed). With `words`, a prompt's
-    topics are two of them with probability `word_share`, else two of TOPICS: the answers then
-    range over far more subjects than the templates' own (a head trained on those few learned
-    what the target says about them, and generalized less)."""
+    topics are two of them with probability `word_share`, else two of TOPICS, so the answers
+    range over far more subjects than the templates' own (for the feature head this generalized
+    to Spec-Bench no better than more template prompts: BENCHMARKS.md)."""
     rng = random.Random(seed)
     out, seen = [], set()
     while len(out) < n:
