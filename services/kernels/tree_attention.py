@@ -1,4 +1,4 @@
-"""CuPy wrapper around services/kernels/tree_attention.cu (same call as services.kernels.reference).
+"""CuPy wrapper around services/kernels/tree_attention_*.cu (same call as services.kernels.reference).
 
     out = tree_attention_cuda(q, k_caches, v_caches, prefix_lens, tree_sizes, parents, scale=None)
 
@@ -26,14 +26,16 @@ import torch
 from services.kernels.validation import check_tree_attention_inputs
 
 __all__ = [
-    "CUDA_SOURCE_PATH", "TreeAttentionLaunch", "VARIANTS", "build_metadata", "cupy_available",
+    "CUDA_SOURCE_PATHS", "cuda_source", "TreeAttentionLaunch", "VARIANTS", "build_metadata", "cupy_available",
     "kernel_name", "mma_smem_bytes", "prepare_tree_attention", "tree_attention_cuda",
 ]
 
-CUDA_SOURCE_PATH = Path(__file__).with_name("tree_attention.cu")
+# One NVRTC source, joined in this order (NVRTC has no include path to our directory by default).
+CUDA_SOURCE_PATHS = tuple(Path(__file__).with_name(f"tree_attention_{part}.cu")
+                          for part in ("common", "mma", "simple", "entry"))
 NVRTC_OPTIONS = ("-std=c++17",)
 VARIANTS = ("mma", "simple")  # mma: tensor-core kernel; simple: one warp per (node, head)
-# These mirror the constants in namespace ta of tree_attention.cu.
+# These mirror the constants in namespace ta of tree_attention_common.cu.
 MMA_THREADS = 256
 MMA_BLOCK_M = 128
 MMA_BLOCK_N = 64
@@ -42,6 +44,11 @@ SIMPLE_WARPS = 4
 META_FIELDS = 9  # k_ptr, v_ptr, k_head_stride, k_row_stride, v_head_stride, v_row_stride, L, T, q_off
 MAX_GRID_YZ = 65535
 LOG2E = 1.4426950408889634
+
+
+def cuda_source() -> str:
+    """The kernels' CUDA source: the tree_attention_*.cu parts joined in order."""
+    return "\n".join(path.read_text() for path in CUDA_SOURCE_PATHS)
 
 
 def cupy_available() -> bool:
@@ -94,7 +101,7 @@ def _load_module(device_index: int):
     import cupy
 
     with cupy.cuda.Device(device_index):
-        return cupy.RawModule(code=CUDA_SOURCE_PATH.read_text(), options=NVRTC_OPTIONS)
+        return cupy.RawModule(code=cuda_source(), options=NVRTC_OPTIONS)
 
 
 def _ptr(tensor: torch.Tensor) -> np.uint64:

@@ -41,7 +41,7 @@ def test_build_metadata_points_at_the_caches_in_place():
 
 
 def test_python_constants_mirror_the_cuda_source():
-    source = wrapper.CUDA_SOURCE_PATH.read_text()
+    source = wrapper.cuda_source()
 
     def constant(name: str) -> int:
         return int(re.search(rf"constexpr int {name} = (\d+);", source).group(1))
