@@ -204,15 +204,10 @@ class LatencyModel:
         return self.verify.predict(StepShape(batch, 0, nodes, 0).verify_features(self.route_rows, self.curve))
 
     def verify_ms_from(self, batch: int, nodes: int, count: int) -> list[float]:
-        """[verify_ms(batch, n) for n = nodes .. nodes + count - 1], the same sums term by term
-        without a StepShape each: the trim prices every prefix of a batch's nodes each step."""
-        w0, w1, w2, w3, w4 = self.verify.weights
-        fixed, out = w0 * 1.0 + w1 * float(batch), []
-        for n in range(nodes, nodes + count):
-            rows = batch + n
-            past = 1.0 if self.route_rows > 0 and rows > self.route_rows else 0.0
-            out.append(fixed + w2 * float(n) + w3 * past + w4 * (self.curve(rows) if self.curve is not None else 0.0))
-        return out
+        """[verify_ms(batch, n) for n = nodes .. nodes + count - 1] without a StepShape each: the
+        trim prices every prefix of a batch's nodes each step."""
+        return [self.verify.predict(verify_features(batch, n, self.route_rows, self.curve))
+                for n in range(nodes, nodes + count)]
 
     def node_ms(self) -> float:
         """Verify ms per node, with the row curve taken at its average slope (the planner's
