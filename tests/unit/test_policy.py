@@ -47,6 +47,41 @@ def test_plan_matches_brute_force_on_random_batches(seed):
     assert got.tokens_per_s / 1e3 == pytest.approx(want_ratio, rel=1e-9), (got.k, want)
 
 
+@pytest.mark.parametrize("seed", range(40))
+def test_plan_matches_brute_force_with_greedy_requests_under_the_route_step(seed):
+    # Greedy requests' trees are trimmed, so they add no rows before trimming: every choice of
+    # their k stays under the route step, where the search must still find the optimum.
+    rng = random.Random(1000 + seed)
+    cost = latency(verify=(rng.uniform(5, 50), rng.uniform(0, 5), rng.uniform(0.1, 8), rng.choice([0, 12, 40])),
+                   draft=(rng.uniform(0, 5), rng.uniform(0, 2), rng.uniform(0, 3), rng.choice([0.0, rng.uniform(0, 6)])),
+                   route_rows=rng.choice([3, 5, 8]))
+    cands = [Candidate(f"r{i}", [rng.uniform(0.0, 1.0) ** rng.choice([0.3, 1, 3]) for _ in range(4)],
+                       max_k=rng.randint(0, 4), min_k=rng.choice([0, 0, 1]), width=rng.choice([1, 2]),
+                       trimmed=rng.random() < 0.8) for i in range(rng.randint(2, 5))]
+    got = plan(cands, cost)
+    want, want_ratio = brute_force(cands, cost)
+    assert got.tokens_per_s / 1e3 == pytest.approx(want_ratio, rel=1e-9), (got.k, want)
+
+
+def test_plan_work_does_not_grow_with_the_greedy_requests_choices():
+    # 8 greedy requests, each free to draft 0..16 deep, all under a route step of 8 rows: 17 ** 8
+    # shapes fit under it, so the plan must not enumerate them.
+    cost = latency(route_rows=8)
+    calls = 0
+    step_ms = cost.step_ms
+
+    def counted(shape):
+        nonlocal calls
+        calls += 1
+        return step_ms(shape)
+
+    cost.step_ms = counted
+    cands = [Candidate(f"r{i}", [0.9 - 0.05 * i] * 16, max_k=16, trimmed=True) for i in range(8)]
+    got = plan(cands, cost)
+    assert calls < 2000
+    assert any(got.k.values())
+
+
 def test_route_step_keeps_a_single_request_below_it():
     # 25 ms for up to 3 rows, then a 12 ms step: with acceptance 0.6 drafting 2 (3 rows) beats 4,
     # which the same costs without the step would pick.
