@@ -100,6 +100,32 @@ def evaluate(cands: list[Candidate], ks: list[int], cost: LatencyModel,
     return tokens, cost.step_ms(_shape(cands, ks, depth, large))
 
 
+def _level_tokens(c: Candidate, lam: float, dw: list[float], node_ms: float) -> float:
+    """What one more level of c's draft costs, in tokens at the ratio lam."""
+    return lam * (dw[2] * c.width + node_ms * c.verified(1))
+
+
+def _last_paying(c: Candidate, lo: int, hi: int, per_level: float) -> int:
+    """The last k in [lo, hi] (lo >= 1) whose increment E(k) - E(k - 1) beats per_level, else lo.
+    Past k = 0 a level's cost is linear in k and E(k) is concave (its increments, path
+    probabilities, never grow), so the paying levels are a prefix: a binary search."""
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if c.gains[mid] - c.gains[mid - 1] > per_level:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _deepest_useful_cap(cands: list[Candidate], lam: float, cost: LatencyModel) -> int:
+    """No request is given more than this at a ratio of lam or above (its paying levels, or its
+    floor), whatever the cap: a deeper cap makes the same choice and charges more depth."""
+    dw, node_ms = cost.draft.weights, cost.node_ms()
+    return max((_last_paying(c, max(min(c.min_k, c.max_k), 1), c.max_k, _level_tokens(c, lam, dw, node_ms))
+                for c in cands if c.max_k > 0), default=0)
+
+
 def _choose(cands: list[Candidate], cap: int, lam: float, cost: LatencyModel) -> list[int]:
     """Maximize sum_i E_i(k_i) - lam * T(k) over k_i <= cap, with the draft's depth term charged
     at the cap. Without the shared terms the problem separates by request."""
@@ -109,17 +135,7 @@ def _choose(cands: list[Candidate], cap: int, lam: float, cost: LatencyModel) ->
         return c.gains[k] - lam * (dw[2] * k * c.width + node_ms * c.verified(k) + (dw[1] if k else 0.0))
 
     def best(c: Candidate, r: range) -> int:
-        # Past k = 0 the cost grows linearly in k and E(k) is concave (its increments, path
-        # probabilities, never grow), so the best k >= 1 is the last one whose increment beats
-        # the cost of a level (a binary search); ties: smallest k.
-        per_level = lam * (dw[2] * c.width + node_ms * c.verified(1))  # one more level, in tokens at lam
-        lo, hi = max(r.start, 1), r.stop - 1
-        while lo < hi:  # the last k in [max(start, 1), stop - 1] with gains[k] - gains[k - 1] > per_level
-            mid = (lo + hi + 1) // 2
-            if c.gains[mid] - c.gains[mid - 1] > per_level:
-                lo = mid
-            else:
-                hi = mid - 1
+        lo = _last_paying(c, max(r.start, 1), r.stop - 1, _level_tokens(c, lam, dw, node_ms))
         if r.start == 0 and (lo > r.stop - 1 or value(c, 0) >= value(c, lo)):
             return 0
         return lo
@@ -166,9 +182,11 @@ def plan(cands: list[Candidate], cost: LatencyModel) -> Plan:
     route step always charged (the optimum's own depth is one of the caps, where the capped cost
     is the true cost), then every shape small enough to skip the route step, at its true cost. (A
     shape with the step charged when it is not due only looks worse, so the best of both is the
-    true optimum.) Caps run deepest first and each one's iteration starts from the best ratio
-    found so far, so a cap that cannot beat it is dropped after one step: a shape of depth d < cap
-    is judged at its true cost under cap d. One request: every k at its true cost."""
+    true optimum.) Caps run deepest first, from the deepest any request's paying levels reach at
+    the best ratio so far (a deeper cap makes the same choice and charges more depth), and each
+    one's iteration starts from that ratio, so a cap that cannot beat it is dropped after one
+    step: a shape of depth d < cap is judged at its true cost under cap d. One request: every k
+    at its true cost."""
     if not cands:
         return Plan({}, 0.0, 0.0, 0.0)
     lowest = max(min(c.min_k, c.max_k) for c in cands)  # every request's own floor fits under it
@@ -196,15 +214,20 @@ def _one_request(c: Candidate, cost: LatencyModel, lowest: int) -> int:
 
 
 def _search_caps(cands: list[Candidate], cost: LatencyModel, lowest: int, large: bool = True
-                 ) -> tuple[list[int] | None, float]:
+                 ) -> tuple[list[int], float]:
     """Dinkelbach's iteration per cap on the deepest draft, route step always charged (`large`;
-    otherwise as the rows say), with the row curve at its average slope (so exact without one); the best (ks, true ratio) found. A
-    draft whose cost does not grow with depth (an n-gram lookup) needs the deepest cap only: a
-    lower one only shrinks the choice at the same cost."""
-    best, best_ratio = None, -1.0
-    deepest = max(c.max_k for c in cands)
-    for cap in range(deepest, lowest - 1, -1) if cost.draft.weights[3] > 0 else [deepest]:
-        ks, lam = None, max(best_ratio, 0.0)
+    otherwise as the rows say), with the row curve at its average slope (so exact without one);
+    the best (ks, true ratio) found, the floors' if nothing beats them. A draft whose cost does
+    not grow with depth (an n-gram lookup) needs the deepest useful cap only: a lower one only
+    shrinks the choice at the same cost."""
+    best = [min(c.min_k, c.max_k) for c in cands]  # the floors: drafting must beat them
+    tok, ms = evaluate(cands, best, cost)
+    best_ratio = tok / ms
+    useful = max(lowest, _deepest_useful_cap(cands, best_ratio, cost))
+    for cap in range(useful, lowest - 1, -1) if cost.draft.weights[3] > 0 else [useful]:
+        if cap > useful:  # the best ratio rose since: fewer levels pay
+            continue
+        ks, lam = None, best_ratio
         for _ in range(50):
             new = _choose(cands, cap, lam, cost)
             tok, ms = evaluate(cands, new, cost, depth=cap, large=large)
@@ -216,4 +239,5 @@ def _search_caps(cands: list[Candidate], cost: LatencyModel, lowest: int, large:
         tok, ms = evaluate(cands, ks, cost)
         if tok / ms > best_ratio * (1 + 1e-12):
             best, best_ratio = ks, tok / ms
+            useful = max(lowest, _deepest_useful_cap(cands, best_ratio, cost))
     return best, best_ratio
