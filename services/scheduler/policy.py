@@ -119,11 +119,26 @@ def _last_paying(c: Candidate, lo: int, hi: int, per_level: float) -> int:
 
 
 def _deepest_useful_cap(cands: list[Candidate], lam: float, cost: LatencyModel) -> int:
-    """No request is given more than this at a ratio of lam or above (its paying levels, or its
-    floor), whatever the cap: a deeper cap makes the same choice and charges more depth."""
+    """A cap deeper than this plans no better at a ratio of lam or above: past it, what a level
+    adds over all requests (each one's expected tokens less its drafting and verifying, at lam)
+    cannot pay the depth term the level adds. Those net gains only fall with depth and with lam,
+    so a binary search finds it, and it holds for the rest of the search."""
     dw, node_ms = cost.draft.weights, cost.node_ms()
-    return max((_last_paying(c, max(min(c.min_k, c.max_k), 1), c.max_k, _level_tokens(c, lam, dw, node_ms))
-                for c in cands if c.max_k > 0), default=0)
+    per_level = [_level_tokens(c, lam, dw, node_ms) for c in cands]
+
+    def pays(level: int) -> bool:
+        net = sum(max(0.0, c.gains[level] - c.gains[level - 1] - p) for c, p in zip(cands, per_level)
+                  if c.max_k >= level)
+        return net > lam * dw[3]
+
+    lo, hi = 0, max(c.max_k for c in cands)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if pays(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def _choose(cands: list[Candidate], cap: int, lam: float, cost: LatencyModel) -> list[int]:
