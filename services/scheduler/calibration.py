@@ -22,7 +22,7 @@ import logging
 import secrets
 import time
 from collections.abc import Hashable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from services.common.sampling import SamplingParams
 from services.common.tree import DraftTree
@@ -148,9 +148,7 @@ async def calibrate(latency: LatencyModel, verifiers: Workers, drafts: Workers |
     for n in sizes:
         verifiers.release(calibration_id(run, n))
     if drafts is not None:
-        # sampled: a model draft's greedy tree stops where it is unsure, which on these
-        # synthetic prompts is at once; a sampled one is as deep as asked
-        await _calibrate_draft(latency, drafts, run, tokens, states, replace(params, temperature=1.0), max_k, width)
+        await _calibrate_draft(latency, drafts, run, tokens, states, params, max_k, width)
     await verifiers.flush()
     _log_fit(latency)
 
@@ -173,7 +171,7 @@ async def _calibrate_draft(latency: LatencyModel, drafts: Workers, run: str, tok
                 times.add(n, t0, reply)
             tree = reply.results.get(rid)
         if tree is not None and len(tree):
-            depths[n] = (len(tree), max(tree.depths()))  # as the step observes it: what was drafted
+            depths[n] = (len(tree), k)
         drafts.release(rid)
     for n, ms in times.settled().items():
         if n in depths:
