@@ -3,8 +3,7 @@
 Synthetic requests (fixed token ids) go through the real path: one request per tree size n is
 prefilled (not measured), then every size is verified with an n-node chain in rounds, one size
 after another within a round, so that a machine whose speed drifts shifts every size alike
-instead of tilting the fitted cost per node; then each is drafted to each depth k, and a few
-batches of them are drafted together to a few depths (`DRAFT_BATCHES`). Each shape is
+instead of tilting the fitted cost per node; then each is drafted to each depth k. Each shape is
 one observation, the least of its runs after the first (noise only adds: another process's work on
 the same cores, a wait behind another scheduler's step). It runs through the step's own workers
 (services/scheduler/workers.py), so the scheduler service (over gRPC) and the in-process engine
@@ -21,7 +20,6 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import Hashable
 from dataclasses import dataclass
 
 from services.common.sampling import SamplingParams
@@ -40,11 +38,6 @@ REPEATS = 6
 # is not linear in rows: latency.RowCurve; a batch's forward has more rows than one tree); above
 # it a spread of sizes up to the largest tree.
 EVERY_SIZE_UP_TO = 16
-# The draft is also timed for several requests at once, at a few depths: one request's chains
-# alone make the step's and the request's fixed costs one number, and a node one with a level
-# (a model draft runs one forward per level whatever the batch).
-DRAFT_BATCHES = (2, 4, 8)
-DRAFT_BATCH_DEPTHS = (1, 2, 4, 8)
 
 
 def synthetic_prompt(vocab_size: int, salt: int = 0) -> list[int]:
@@ -87,21 +80,21 @@ class RunTimes:
     and the rest of its round trip; `settled` adds the least rest to every shape alike."""
 
     def __init__(self):
-        self.own: dict[Hashable, list[float]] = {}
+        self.own: dict[int, list[float]] = {}
         self.rest: list[float] = []
 
-    def add(self, shape: Hashable, t0: float, reply: Reply) -> None:
+    def add(self, shape: int, t0: float, reply: Reply) -> None:
         wall = _ms(t0)
         own = reply.compute_ms if 0.0 < reply.compute_ms <= wall else wall
         self.own.setdefault(shape, []).append(own)
         self.rest.append(wall - own)
 
-    def settled(self) -> dict[Hashable, float]:
+    def settled(self) -> dict[int, float]:
         rest = min(self.rest, default=0.0)
         return {n: settled(ts) + rest for n, ts in self.own.items()}
 
 
-def calibration_id(run: str, n: int | str) -> str:
+def calibration_id(run: str, n: int) -> str:
     """A warm-up request's id: `run` is this warm-up's own (replicas may serve other schedulers)."""
     return f"__calibration_{run}_{n}__"
 
@@ -176,34 +169,7 @@ async def _calibrate_draft(latency: LatencyModel, drafts: Workers, run: str, tok
     for n, ms in times.settled().items():
         if n in depths:
             latency.draft.observe(StepShape(1, 1, depths[n][0], depths[n][1]).draft_features(), ms)
-    await _calibrate_draft_batches(latency, drafts, run, tokens, states, params, max_k)
     await drafts.flush()
-
-
-async def _calibrate_draft_batches(latency: LatencyModel, drafts: Workers, run: str, tokens: dict[int, list[int]],
-                                   states: dict[int, list], params: SamplingParams, max_k: int) -> None:
-    """Draft b requests at once (the prompts of the first b sizes) to each of a few depths, in
-    rounds; each shape observed as the step sees it: b drafting, the nodes and depth drafted."""
-    prompts = [n for n in tokens if n > 0]
-    depths = [k for k in DRAFT_BATCH_DEPTHS if k <= max_k]
-    for b in (b for b in DRAFT_BATCHES if b <= len(prompts)):
-        rids = {n: calibration_id(run, f"{b}x{n}") for n in prompts[:b]}
-        times, drafted = RunTimes(), {}
-        for rnd in range(REPEATS + 1):
-            for k in depths:
-                works = [Work(rid, tokens[n], params, draft_length=k, tree_size=k,
-                              states=states[n] if rnd == 0 and k == depths[0] else []) for n, rid in rids.items()]
-                t0 = time.perf_counter()
-                reply = await drafts.step(rnd, works)
-                if rnd:
-                    times.add(k, t0, reply)
-                trees = [t for t in reply.results.values() if len(t)]
-                drafted[k] = (sum(len(t) for t in trees), max((max(t.depths()) for t in trees), default=0))
-        for rid in rids.values():
-            drafts.release(rid)
-        for k, ms in times.settled().items():
-            if drafted[k][0]:
-                latency.draft.observe(StepShape(b, b, *drafted[k]).draft_features(), ms)
 
 
 @dataclass

@@ -8,7 +8,7 @@ import pytest
 
 from services.scheduler import calibration, calibration_cache
 from services.scheduler.engine import run_now
-from services.scheduler.latency import LatencyModel, StepShape
+from services.scheduler.latency import LatencyModel
 from services.scheduler.workers import Reply, Workers
 
 
@@ -68,40 +68,6 @@ def test_warm_up_learns_where_the_verify_cost_steps(monkeypatch):
     assert ms[6] - ms[5] == pytest.approx(5.0, abs=0.1)  # the step at 7 rows
     assert ms[16] - ms[11] == pytest.approx(5.0, abs=0.1)  # measured up to 17 rows whatever max_k
     assert ms[19] > ms[16]  # beyond: the curve's average slope
-
-
-class LevelDraft(Workers):
-    """A model draft's cost: 0.3 ms a step, 0.2 ms a request, 0.05 ms a node and 1 ms a level
-    (one forward per level, whatever the batch); drafts every asked chain in full."""
-
-    kind = "draft"
-
-    def __init__(self, clock):
-        self.clock = clock
-
-    async def step(self, step_id, works):
-        asked = [w for w in works if w.draft_length > 0]
-        nodes = sum(w.draft_length for w in asked)
-        depth = max((w.draft_length for w in asked), default=0)
-        self.clock.now += (0.3 + 0.2 * len(asked) + 0.05 * nodes + 1.0 * depth) / 1e3
-        return Reply(results={w.req_id: calibration.synthetic_chain(w.draft_length, 100) for w in works})
-
-    def release(self, req_id):
-        pass
-
-
-def test_warm_up_tells_a_draft_level_from_a_node(monkeypatch):
-    """From one request's chains alone, nodes and levels are one number (and so are the step's
-    and the request's fixed costs): 8 requests drafting 4 deep would be priced as 32 levels."""
-    clock = SimpleNamespace(now=0.0)
-    monkeypatch.setattr(calibration.time, "perf_counter", lambda: clock.now)
-    latency = LatencyModel(verify_prior=(30.0, 0.0, 0.0, 0.0))
-    run_now(calibration.calibrate(latency, DriftingVerifier(clock, drift=0.0), LevelDraft(clock), vocab_size=100,
-                                  max_k=8, width=1))
-    for batch, k in ((1, 4), (8, 4), (4, 8), (8, 1)):
-        want = 0.3 + 0.2 * batch + 0.05 * batch * k + 1.0 * k
-        assert latency.draft.predict(StepShape(batch, batch, batch * k, k).draft_features()) == \
-            pytest.approx(want, rel=0.05), (batch, k)
 
 
 def test_every_size_up_to_16_is_measured_and_larger_trees_spread():
