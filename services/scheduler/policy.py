@@ -174,7 +174,8 @@ def _small_shapes(cands: list[Candidate], cost: LatencyModel) -> tuple[list[int]
     if cost.route_rows <= 0 or room < 0:
         return None, -1.0
     rows = [i for i, c in enumerate(cands) if not c.trimmed]
-    ranges = [range(min(cands[i].min_k, cands[i].max_k), min(cands[i].max_k, room // cands[i].width) + 1) for i in rows]
+    ranges = [range(min(cands[i].min_k, cands[i].max_k), min(cands[i].max_k, room // cands[i].width) + 1)
+              for i in rows]
     free = len(rows) < len(cands)
     best, best_ratio = None, -1.0
     for combo in itertools.product(*ranges):
@@ -197,8 +198,8 @@ def plan(cands: list[Candidate], cost: LatencyModel) -> Plan:
     route step always charged (the optimum's own depth is one of the caps, where the capped cost
     is the true cost), then every shape small enough to skip the route step, at its true cost. (A
     shape with the step charged when it is not due only looks worse, so the best of both is the
-    true optimum.) Caps run deepest first, from the deepest any request's paying levels reach at
-    the best ratio so far (a deeper cap makes the same choice and charges more depth), and each
+    true optimum.) Caps run deepest first, from the deepest whose level still pays over the batch
+    at the best ratio so far (`_deepest_useful_cap`: a deeper cap plans no better), and each
     one's iteration starts from that ratio, so a cap that cannot beat it is dropped after one
     step: a shape of depth d < cap is judged at its true cost under cap d. One request: every k
     at its true cost."""
