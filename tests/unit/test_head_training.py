@@ -216,3 +216,13 @@ def test_word_topics_take_subjects_from_the_vocabulary():
     assert 0.3 * known(plain) < known(mixed) < 0.7 * known(plain)
     plan = feature_data.TeacherPlan((0,), 8, 100, 8, 0.0, 8, 0, word_topics=0.5)
     assert plan.key().endswith("-w0.5") and not replace(plan, word_topics=0.0).key().endswith("-w0.0")
+
+
+def test_the_engine_teacher_answers_a_one_stage_plan(tiny_target, tmp_path):
+    """Without --passage-fraction (`make head`'s default) the engine's teacher answers the template
+    prompts up to its token cap (it once took the missing second stage for a begun one and
+    answered nothing)."""
+    target = load_model(str(tiny_target))
+    plan = feature_data.TeacherPlan((0,), prompts=6, tokens=10**6, max_tokens=4, sampled_fraction=0.0, batch=8, seed=0)
+    samples, seconds = feature_data.build(target, tmp_path, plan, minutes=5)
+    assert len(samples) == 6 and seconds > 0

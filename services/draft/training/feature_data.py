@@ -106,7 +106,7 @@ def build(target, work: Path, plan: TeacherPlan, minutes: float) -> tuple[list[t
     first, foreign, second = plan.stage_one(target.tokenizer)
     share = round(plan.tokens * (1 - plan.passage_fraction)) if second else plan.tokens
     deadline = time.monotonic() + 60 * minutes
-    started = not second or any(i >= len(first) for i in done)  # the second stage has begun
+    started = bool(second) and any(i >= len(first) for i in done)  # the second stage has begun
     if not started and have < share and minutes > 0:
         seconds += _extend(target, work, plan, first, 0, done, share, deadline)
     one = [done.get(i) for i in range(len(first))]
