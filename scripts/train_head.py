@@ -81,6 +81,9 @@ def parse_args(argv=None):
     p.add_argument("--word-topics", type=float, default=0.0,
                    help="this share of the template prompts take their topics from the target's vocabulary's "
                         "words instead of the templates' few dozen subjects")
+    p.add_argument("--self-prompts", type=float, default=0.0,
+                   help="this share of the first stage's prompts are written by the target itself (sampled from "
+                        "its chat template's user turn) instead of the templates")
     p.add_argument("--ablation", default="", help="also train on these data fractions (e.g. 0.25,0.5): metrics only")
     p.add_argument("--eval-questions", default="",
                    help="Spec-Bench JSONL: held-out metrics on its first question per category too (never trained on)")
@@ -99,7 +102,7 @@ def main(argv=None) -> int:
     target = load_model(args.target, weights=engine)
     plan = feature_data.TeacherPlan(tuple(int(x) for x in args.layers.split(",")), args.prompts, args.tokens,
                                     args.max_tokens, args.sampled_fraction, args.teacher_batch, args.seed,
-                                    args.passage_fraction, args.word_topics)
+                                    args.passage_fraction, args.word_topics, args.self_prompts)
     if args.teacher == "hf":
         samples, seconds = feature_data.build_hf(target, Path(args.work), plan, args.device)
     else:
@@ -175,6 +178,7 @@ def train_head(args, target, samples) -> dict:
             "after": result["held_out"], "dev": result["dev"], "ablation": ablation, "history": result["history"],
             "device": args.device, "precision": result["precision"], "passage_fraction": args.passage_fraction,
             "sampled_fraction": args.sampled_fraction, "word_topics": args.word_topics,
+            "self_prompts": args.self_prompts,
             "bytes": sum(f.stat().st_size for f in Path(args.out).iterdir() if f.is_file())}
 
 
@@ -204,6 +208,9 @@ def write_card(out: Path, info: dict) -> None:
     wt = info.get("word_topics", 0.0)
     passages += (f",\n  {100 * wt:.0f}% of the template prompts on two words of the target's vocabulary as topics"
                  if wt else "")
+    sp = info.get("self_prompts", 0.0)
+    passages += (f",\n  {100 * sp:.0f}% of the first stage's prompts written by the target itself (its chat template\n"
+                 "  sampled from the start of a user turn)" if sp else "")
     text = f"""# Feature-level draft head for {info.get('target', 'the default target')}
 
 An EAGLE-3-style head (services/draft/feature_head.py): the target's states after layers

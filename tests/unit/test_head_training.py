@@ -226,3 +226,42 @@ def test_the_engine_teacher_answers_a_one_stage_plan(tiny_target, tmp_path):
     plan = feature_data.TeacherPlan((0,), prompts=6, tokens=10**6, max_tokens=4, sampled_fraction=0.0, batch=8, seed=0)
     samples, seconds = feature_data.build(target, tmp_path, plan, minutes=5)
     assert len(samples) == 6 and seconds > 0
+
+
+def test_self_written_prompts_keep_only_ended_distinct_turns():
+    """self_prompts.write samples the target from the start of a user turn: a turn cut at the cap,
+    one of fewer than three words and a repeat are dropped, and it asks again until it has n."""
+    from services.draft.training import self_prompts
+
+    tok = load_model("default", weights=False).tokenizer
+    prefix, end = self_prompts.user_turn(tok)
+    assert tok.decode(prefix).endswith("<|im_start|>user\n") and tok.convert_ids_to_tokens(end) == "<|im_end|>"
+    words = [tok(w, add_special_tokens=False)["input_ids"] for w in ("Name three rivers", "Hi there", "Plan a trip")]
+    script = [[words[0] + [end], words[1] + [end], words[0] + [end], words[2]],  # ok, short, repeat, cut
+              [words[2] + [end]] * 6]
+    calls = []
+
+    def answer(prompts, temperatures, eos_ids, max_tokens, seed):
+        calls.append((len(prompts), temperatures[0], eos_ids, seed))
+        return [teacher.Sample(prefix + ids, len(prefix), None, None) for ids in script[len(calls) - 1]]
+
+    assert self_prompts.write(answer, tok, 2, seed=5) == ["Name three rivers", "Plan a trip"]
+    assert [c[1:3] for c in calls] == [(1.0, (end,))] * 2 and calls[0][3] != calls[1][3]
+
+
+def test_the_target_writes_prompts_that_the_teacher_then_answers(tmp_path):
+    """--self-prompts with the engine's teacher on the default target: the prompts it writes are
+    cached with the plan, shuffled in among the templated ones, and answered; a rerun reads the
+    same prompts and answers back."""
+    target = load_model("default")
+    plan = feature_data.TeacherPlan((2,), prompts=6, tokens=10**6, max_tokens=4, sampled_fraction=0.0, batch=8,
+                                    seed=1, self_prompts=0.5)
+    samples, seconds = feature_data.build(target, tmp_path, plan, minutes=5)
+    written, _ = feature_data.written_prompts(tmp_path, plan, target.tokenizer, None)  # cached: never asks
+    assert len(written) == 3 and len(set(written)) == 3 and plan.key().endswith("-m0.5")
+    first, _, _ = plan.stage_one(target.tokenizer, written)
+    assert sorted(first) == sorted(written + feature_data.make_prompts(3, 1)) and first[:3] != written
+    asked = [target.tokenizer.decode(s.ids[: s.prompt_len]) for s in samples]
+    assert len(samples) == 6 and all(any(w in a for a in asked) for w in written)
+    again, seconds_again = feature_data.build(target, tmp_path, plan, minutes=5)
+    assert [s.ids for s in again] == [s.ids for s in samples] and seconds_again == seconds

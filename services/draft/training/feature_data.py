@@ -8,6 +8,7 @@ holds 64 finished answers with their prompt indices; a rerun skips the prompts a
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import time
@@ -17,7 +18,7 @@ from pathlib import Path
 import torch
 
 from services.common.prompt import encode_prompt
-from services.draft.training import hf_teacher, teacher
+from services.draft.training import hf_teacher, self_prompts, teacher
 from services.draft.training.prompts import make_foreign_prompts, make_passage_prompts, make_prompts, topic_words
 
 log = logging.getLogger(__name__)
@@ -35,22 +36,53 @@ class TeacherPlan:
     seed: int
     passage_fraction: float = 0.0  # prompts (and answer tokens) of the second stage: tasks over a passage
     word_topics: float = 0.0  # template prompts whose topics are words of the target's vocabulary
+    self_prompts: float = 0.0  # share of the first stage's prompts the target writes (self_prompts.py)
 
     def key(self) -> str:
         layers = "-".join(map(str, self.layers))
         passages = f"-p{self.passage_fraction}" if self.passage_fraction else ""
         words = f"-w{self.word_topics}" if self.word_topics else ""
-        return f"L{layers}-t{self.max_tokens}-s{self.seed}-f{self.sampled_fraction}{passages}{words}"
+        written = f"-m{self.self_prompts}" if self.self_prompts else ""
+        return f"L{layers}-t{self.max_tokens}-s{self.seed}-f{self.sampled_fraction}{passages}{words}{written}"
 
-    def stage_one(self, tokenizer) -> tuple[list[str], list[tuple[str, str]], int]:
+    def written_count(self) -> int:
+        """How many of the first stage's prompts the target writes."""
+        return round(self.self_prompts * (self.prompts - round(self.passage_fraction * self.prompts)))
+
+    def stage_one(self, tokenizer, written: list[str] = ()) -> tuple[list[str], list[tuple[str, str]], int]:
         """(the first stage's prompts, the foreign-language ones among them with their language,
         how many second-stage prompts follow). The foreign prompts come first: the first stage
-        may stop at its share of tokens, and the second stage translates their answers."""
+        may stop at its share of tokens, and the second stage translates their answers. The
+        prompts the target wrote (`written`) are shuffled in among the templated ones, so a stage
+        cut short by its token share holds both kinds."""
         second = round(self.passage_fraction * self.prompts)
         foreign = make_foreign_prompts(second // 8, seed=self.seed) if second else []
         words = topic_words(tokenizer) if self.word_topics else []
-        templated = make_prompts(self.prompts - second, self.seed, words, self.word_topics)
-        return [p for p, _ in foreign] + templated, foreign, second
+        mixed = list(written) + make_prompts(self.prompts - second - len(written), self.seed, words, self.word_topics)
+        if written:
+            random.Random(self.seed + 3).shuffle(mixed)
+        return [p for p, _ in foreign] + mixed, foreign, second
+
+
+def written_prompts(work: Path, plan: TeacherPlan, tokenizer, answer) -> tuple[list[str], float]:
+    """The prompts the target writes for this plan (self_prompts.write with `answer`, a
+    teacher's generate) and the seconds that took, cached in the plan's folder: its answers are
+    numbered by prompt, so a resumed run must see the same prompts."""
+    count = plan.written_count()
+    if not count:
+        return [], 0.0
+    path = work / plan.key() / "self-prompts.json"
+    if path.exists():
+        cached = json.loads(path.read_text())
+        return cached["prompts"], cached["seconds"]
+    started = time.monotonic()
+    prompts = self_prompts.write(answer, tokenizer, count, plan.seed)
+    seconds = time.monotonic() - started
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.with_suffix(".tmp").write_text(json.dumps({"prompts": prompts, "seconds": seconds}, indent=0))
+    path.with_suffix(".tmp").rename(path)
+    log.info("the target wrote %d prompts in %.0f s", len(prompts), seconds)
+    return prompts, seconds
 
 
 def passage_prompts(target, plan: TeacherPlan, answers: list[teacher.Sample | None], foreign: list[tuple[str, str]],
@@ -103,7 +135,13 @@ def build(target, work: Path, plan: TeacherPlan, minutes: float) -> tuple[list[t
     done, seconds = load_shards(work, plan)
     have = answer_tokens(done.values())
     log.info("teacher cache %s: %d answers, %d answer tokens", work / plan.key(), len(done), have)
-    first, foreign, second = plan.stage_one(target.tokenizer)
+
+    def answer(prompts, temperatures, eos_ids, max_tokens, seed):
+        return teacher.generate(target.model, prompts, temperatures, eos_ids, max_tokens, batch=plan.batch, seed=seed)
+
+    written, seconds_written = written_prompts(work, plan, target.tokenizer, answer)
+    seconds += seconds_written
+    first, foreign, second = plan.stage_one(target.tokenizer, written)
     share = round(plan.tokens * (1 - plan.passage_fraction)) if second else plan.tokens
     deadline = time.monotonic() + 60 * minutes
     started = bool(second) and any(i >= len(first) for i in done)  # the second stage has begun
@@ -174,7 +212,13 @@ def build_hf(target, work: Path, plan: TeacherPlan, device: str) -> tuple[list[t
         return cached["samples"], cached["seconds"]
     started = time.monotonic()
     model = hf_teacher.load(target.path, device)
-    first, foreign, second = plan.stage_one(target.tokenizer)
+
+    def answer(prompts, temperatures, eos_ids, max_tokens, seed):
+        return hf_teacher.generate(model, prompts, temperatures, eos_ids, max_tokens, batch=plan.batch, seed=seed,
+                                   pad_id=target.config.eos_token_ids[0])
+
+    written, _ = written_prompts(work, plan, target.tokenizer, answer)
+    first, foreign, second = plan.stage_one(target.tokenizer, written)
     samples = _answer_hf(model, target, first, plan)
     if second:
         samples += _answer_hf(model, target, passage_prompts(target, plan, samples, foreign, second), plan)
