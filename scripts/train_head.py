@@ -209,8 +209,11 @@ def write_card(out: Path, info: dict) -> None:
     passages += (f",\n  {100 * wt:.0f}% of the template prompts on two words of the target's vocabulary as topics"
                  if wt else "")
     sp = info.get("self_prompts", 0.0)
-    passages += (f",\n  {100 * sp:.0f}% of the first stage's prompts written by the target itself (its chat template\n"
-                 "  sampled from the start of a user turn)" if sp else "")
+    source = "prompts from the task templates in services/draft/training/prompts.py (never Spec-Bench)"
+    if sp:
+        share = "" if sp >= 1 else f" ({100 * sp:.0f}% of the first stage's; the rest from the task templates)"
+        source = ("prompts the target wrote itself" + share + ",\n  its chat template sampled from the start of a"
+                  " user turn (services/draft/training/self_prompts.py; never Spec-Bench)")
     text = f"""# Feature-level draft head for {info.get('target', 'the default target')}
 
 An EAGLE-3-style head (services/draft/feature_head.py): the target's states after layers
@@ -221,7 +224,7 @@ An EAGLE-3-style head (services/draft/feature_head.py): the target's states afte
 ## How it was made (`make head`, scripts/train_head.py)
 
 - Data: {info['answers']} answers the target generated (greedy, {sampled:.0f}% sampled at T=0.8 / top-p 0.95) to
-  prompts from the task templates in services/draft/training/prompts.py (never Spec-Bench){passages},
+  {source}{passages},
   batched {info.get('teacher_batch', 32)} wide, recording three layers' states and the top-32 next-token
   probabilities; {info['train_answers']} answers ({info['answer_tokens']} answer tokens) trained on,
   {info['held_out_answers']} held out. Teacher time: {info['teacher_seconds']:.0f} s.
