@@ -250,9 +250,9 @@ def test_self_written_prompts_keep_only_ended_distinct_turns():
 
 
 def test_the_target_writes_prompts_that_the_teacher_then_answers(tmp_path):
-    """--self-prompts with the engine's teacher on the default target: the prompts it writes are
-    cached with the plan, shuffled in among the templated ones, and answered; a rerun reads the
-    same prompts and answers back."""
+    """--self-prompts on the default target: the prompts it writes are cached with the plan,
+    shuffled in among the templated ones, and answered by the engine's teacher (a rerun reads the
+    same prompts and answers back) and by the GPU's."""
     target = load_model("default")
     plan = feature_data.TeacherPlan((2,), prompts=6, tokens=10**6, max_tokens=4, sampled_fraction=0.0, batch=8,
                                     seed=1, self_prompts=0.5)
@@ -265,3 +265,8 @@ def test_the_target_writes_prompts_that_the_teacher_then_answers(tmp_path):
     assert len(samples) == 6 and all(any(w in a for a in asked) for w in written)
     again, seconds_again = feature_data.build(target, tmp_path, plan, minutes=5)
     assert [s.ids for s in again] == [s.ids for s in samples] and seconds_again == seconds
+    # the GPU's teacher (transformers' generate, here on the CPU) writes and answers them too
+    samples = feature_data.build_hf(target, tmp_path / "hf", plan, "cpu")[0]
+    written, _ = feature_data.written_prompts(tmp_path / "hf", plan, target.tokenizer, None)
+    asked = [target.tokenizer.decode(s.ids[: s.prompt_len]) for s in samples]
+    assert len(written) == 3 and len(samples) == 6 and all(any(w in a for a in asked) for w in written)

@@ -1,7 +1,7 @@
 """Teacher data for the feature-level head, cached in shards so an interrupted run resumes.
 
-The target answers generated prompts (services/draft/training/prompts.py; never Spec-Bench)
-with continuous batching, recording at every position it was fed the residual stream of the
+The target answers generated prompts (templates from services/draft/training/prompts.py, or
+prompts it wrote itself: self_prompts.py; never Spec-Bench) with continuous batching, recording at every position it was fed the residual stream of the
 head's layers, and at every answer position its top-k next-token log-probabilities. Each shard
 holds 64 finished answers with their prompt indices; a rerun skips the prompts already answered.
 """
