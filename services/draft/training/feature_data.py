@@ -1,9 +1,10 @@
 """Teacher data for the feature-level head, cached in shards so an interrupted run resumes.
 
 The target answers generated prompts (templates from services/draft/training/prompts.py, or
-prompts it wrote itself: self_prompts.py; never Spec-Bench) with continuous batching, recording at every position it was fed the residual stream of the
-head's layers, and at every answer position its top-k next-token log-probabilities. Each shard
-holds 64 finished answers with their prompt indices; a rerun skips the prompts already answered.
+prompts it wrote itself: self_prompts.py; never Spec-Bench) with continuous batching, recording
+at every position it was fed the residual stream of the head's layers, and at every answer
+position its top-k next-token log-probabilities. Each shard holds 64 finished answers with their
+prompt indices; a rerun skips the prompts already answered.
 """
 
 from __future__ import annotations
@@ -45,9 +46,13 @@ class TeacherPlan:
         written = f"-m{self.self_prompts}" if self.self_prompts else ""
         return f"L{layers}-t{self.max_tokens}-s{self.seed}-f{self.sampled_fraction}{passages}{words}{written}"
 
+    def passage_count(self) -> int:
+        """How many prompts the second stage asks (tasks over the first stage's answers)."""
+        return round(self.passage_fraction * self.prompts)
+
     def written_count(self) -> int:
         """How many of the first stage's prompts the target writes."""
-        return round(self.self_prompts * (self.prompts - round(self.passage_fraction * self.prompts)))
+        return round(self.self_prompts * (self.prompts - self.passage_count()))
 
     def stage_one(self, tokenizer, written: list[str] = ()) -> tuple[list[str], list[tuple[str, str]], int]:
         """(the first stage's prompts, the foreign-language ones among them with their language,
@@ -55,7 +60,7 @@ class TeacherPlan:
         may stop at its share of tokens, and the second stage translates their answers. The
         prompts the target wrote (`written`) are shuffled in among the templated ones, so a stage
         cut short by its token share holds both kinds."""
-        second = round(self.passage_fraction * self.prompts)
+        second = self.passage_count()
         foreign = make_foreign_prompts(second // 8, seed=self.seed) if second else []
         words = topic_words(tokenizer) if self.word_topics else []
         mixed = list(written) + make_prompts(self.prompts - second - len(written), self.seed, words, self.word_topics)
