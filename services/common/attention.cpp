@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -203,7 +204,9 @@ void specserve::attend_(at::Tensor out, const at::Tensor& q, const at::Tensor& k
   TORCH_CHECK(k.size(0) == rows && v.size(0) == rows,
               "attend_: q, k and v must have the same rows");
   std::vector<Seq> seqs(chunks);
-  std::vector<std::pair<size_t, int64_t>> blocks;  // (chunk, first row) of each block of rows
+  // (chunk, rows r0..r1) of each block: a chunk's rows in blocks of even sizes (5 rows: 3 + 2,
+  // not 4 + 1), so that the threads, taking (head, block) units in turn, get even shares
+  std::vector<std::tuple<size_t, int64_t, int64_t>> blocks;
   for (size_t i = 0; i < chunks; ++i) {
     const at::Tensor &kc = k_caches[i], &vc = v_caches[i], &vis = visible[i];
     const int64_t n = lengths[i], start = starts[i], tree_start = tree_starts[i];
@@ -222,19 +225,20 @@ void specserve::attend_(at::Tensor out, const at::Tensor& q, const at::Tensor& k
                tree_start, vis.numel() ? vis.data_ptr<bool>() : nullptr};
     write_cache(k.data_ptr<float>(), k.stride(0), seqs[i], seqs[i].k, kv_heads, dim);
     write_cache(v.data_ptr<float>(), v.stride(0), seqs[i], seqs[i].v, kv_heads, dim);
-    for (int64_t r = 0; r < n; r += kRows) blocks.emplace_back(i, r);
+    const int64_t parts = (n + kRows - 1) / kRows, size = (n + parts - 1) / parts;
+    for (int64_t r = 0; r < n; r += size) blocks.emplace_back(i, r, std::min(r + size, n));
   }
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t group = heads / kv_heads, ldq = q.stride(0);
-  const int64_t units = static_cast<int64_t>(blocks.size()) * heads;
+  const int64_t nblocks = static_cast<int64_t>(blocks.size()), units = nblocks * heads;
   at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
     std::vector<float> buf;
     std::vector<int64_t> seen;
     for (int64_t u = u0; u < u1; ++u) {
-      const auto [i, r0] = blocks[u / heads];
+      const auto [i, r0, r1] = blocks[u % nblocks];
       const Seq& s = seqs[i];
-      const int64_t h = u % heads, g = h / group, r1 = std::min(r0 + kRows, s.n);
+      const int64_t h = u / nblocks, g = h / group;
       const int64_t head_at = g * s.capacity * dim, row = s.offset + r0;
       attend_rows(s, r0, r1, qp + row * ldq + h * dim, ldq, s.k + head_at, s.v + head_at, dim,
                   static_cast<float>(scale), buf, seen, op + (row * heads + h) * dim, heads * dim);
