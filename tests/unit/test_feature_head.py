@@ -153,16 +153,37 @@ def test_checkpoint_round_trip_and_vocabulary_check(target, tmp_path, tiny_targe
 
 
 def test_hybrid_takes_the_ngram_on_long_matches_and_stays_lossless(target):
+    """Long matches: the n-gram alone; short ones: both in one tree (greedy); none: the head."""
     from services.draft.hybrid import HybridProposer
 
     hybrid = HybridProposer(tiny.head_proposer(target, tiny.make_head(target)))
     loop = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16]
-    prompts = [loop * 3, [5, 9, 11, 3, 7]]  # a long verbatim repeat, and none
+    prompts = [loop * 3, [5, 9, 11, 3, 7], [20, 21, 5, 30, 20, 21, 6, 31, 20]]
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     plain = Engine(target, None, StepConfig(draft_length=0), warm_up=False).generate(prompts, params)
     spec = Engine(target, hybrid, StepConfig(draft_length=4, tree_size=8), warm_up=False).generate(prompts, params)
     assert [r.output_ids for r in spec] == [r.output_ids for r in plain]
-    assert hybrid.chosen["ngram"] > 0 and hybrid.chosen["head"] > 0
+    assert min(hybrid.chosen.values()) > 0, hybrid.chosen
+
+
+def test_the_union_of_two_greedy_trees_keeps_their_most_likely_paths():
+    from services.common.tree import DraftTree
+    from services.draft.hybrid import union
+
+    def tree(nodes):  # (token, parent, confidence)
+        t = DraftTree()
+        for tok, parent, c in nodes:
+            t.add(tok, parent, [tok], [1.0])
+            t.confidence.append(c)
+        return t
+
+    head = tree([(5, -1, 0.5), (6, 0, 0.5), (7, 1, 0.5)])
+    ngram = tree([(5, -1, 0.9), (9, 0, 0.9), (8, -1, 0.3)])
+    # path confidences: 5 0.9 (the larger of both), 5-9 0.81, 5-6 0.45, 8 0.3, 5-6-7 0.225
+    u = union(head, ngram, 4)
+    assert (u.tokens, u.parents, u.confidence) == ([5, 8, 9, 6], [-1, -1, 0, 0], [0.9, 0.3, 0.9, 0.5])
+    assert union(head, ngram, 2).tokens == [5, 9] and len(union(head, ngram, 9)) == 5
+    assert all(q == [t] for q, t in zip(u.q_ids, u.tokens)) and all(p == [1.0] for p in u.q_probs)
 
 
 @pytest.mark.parametrize("rows,width,data,nan", [(3, None, 10, False), (3, None, None, True), (2, 7, None, False)])
