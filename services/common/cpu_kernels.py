@@ -1,9 +1,9 @@
 """The project's CPU kernels: built for this machine, then loaded.
 
 `qmatmul.cpp` (the float32 block matmul), `q8matmul.cpp` (4-bit tiles by int8 rows), `rowwise.cpp`
-(RMSNorm, RoPE, silu * up), `attention.cpp` (the rows that yield tokens, over their KV caches) and
-`layers.cpp` (a native model's decoder stack through all of them, in one call); `simd.h` and
-`cpu_ops.h` are shared. The sources compile once per machine into one
+(RMSNorm, RoPE, silu * up), `attention.cpp` (the rows that yield tokens, over their KV caches),
+`layers.cpp` (a native model's decoder stack through all of them, in one call) and `head.cpp` (the
+feature head's draft forward likewise); `simd.h` and `cpu_ops.h` are shared. The sources compile once per machine into one
 library (g++ -march=native: the matmul needs AVX2, FMA and F16C; OpenMP through torch's own
 runtime, so its threads are torch's) against the installed torch, under `$SPECSERVE_HOME/build/`
 with a name keyed by the sources, torch's version and the CPU's flags. `make setup` builds it, a
@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
 # Their ops register under torch.ops.specserve_q.
-SOURCES = [HERE / f"{name}.cpp" for name in ("qmatmul", "q8matmul", "rowwise", "attention", "layers")]
+SOURCES = [HERE / f"{name}.cpp" for name in ("qmatmul", "q8matmul", "rowwise", "attention", "layers", "head")]
 HEADERS = [HERE / "simd.h", HERE / "cpu_ops.h"]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC"]
 

@@ -11,14 +11,10 @@
 
 #include "cpu_ops.h"
 
-namespace {
+namespace specserve {
 
-using specserve::rms_norm;
-
-constexpr int64_t kTiles = 3;  // qmatmul.py's TILES: q8matmul.cpp's packed 4-bit weights
-
-at::Tensor matmul(const at::Tensor& x, const at::Tensor& w, int64_t kind) {
-  return kind == kTiles ? specserve::q8matmul(x, w) : specserve::qmatmul(x, w, kind);
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t kind) {
+  return kind == kTiles ? q8matmul(x, w) : qmatmul(x, w, kind);
 }
 
 // x [N, hidden] (the embedded rows) through every layer; returns the output of the last, then
@@ -46,21 +42,21 @@ std::vector<at::Tensor> layers(at::Tensor x, const at::Tensor& cos, const at::Te
   std::vector<at::Tensor> kc(k_caches.size()), vc(v_caches.size());
   size_t next = 0;
   for (int64_t li = 0; li < num_layers; ++li) {
-    at::Tensor qkv = matmul(rms_norm(x, norms[2 * li], eps), blocks[4 * li], kinds[4 * li]);
-    specserve::rope_(qkv, cos, sin, heads + kv_heads, dim);  // q and k rotated in place
+    at::Tensor qkv = linear(rms_norm(x, norms[2 * li], eps), blocks[4 * li], kinds[4 * li]);
+    rope_(qkv, cos, sin, heads + kv_heads, dim);  // q and k rotated in place
     for (size_t i = 0; i < k_caches.size(); ++i) {
       kc[i] = k_caches[i][li];
       vc[i] = v_caches[i][li];
     }
     at::Tensor attn = at::empty({rows, heads, dim}, x.options());
-    specserve::attend_(attn, qkv.narrow(1, 0, hq).view({rows, heads, dim}),
+    attend_(attn, qkv.narrow(1, 0, hq).view({rows, heads, dim}),
                        qkv.narrow(1, hq, hk).view({rows, kv_heads, dim}),
                        qkv.narrow(1, hq + hk, hk).view({rows, kv_heads, dim}), kc, vc, offsets,
                        lengths, starts, tree_starts, visible, scale);
-    x = x + matmul(attn.view({rows, hq}), blocks[4 * li + 1], kinds[4 * li + 1]);
+    x = x + linear(attn.view({rows, hq}), blocks[4 * li + 1], kinds[4 * li + 1]);
     at::Tensor gate_up =
-        matmul(rms_norm(x, norms[2 * li + 1], eps), blocks[4 * li + 2], kinds[4 * li + 2]);
-    x = x + matmul(specserve::silu_mul(gate_up), blocks[4 * li + 3], kinds[4 * li + 3]);
+        linear(rms_norm(x, norms[2 * li + 1], eps), blocks[4 * li + 2], kinds[4 * li + 2]);
+    x = x + linear(silu_mul(gate_up), blocks[4 * li + 3], kinds[4 * li + 3]);
     if (next < capture.size() && capture[next] == li) {
       out.push_back(x);
       ++next;
@@ -70,11 +66,11 @@ std::vector<at::Tensor> layers(at::Tensor x, const at::Tensor& cos, const at::Te
   return out;
 }
 
-}  // namespace
+}  // namespace specserve
 
 TORCH_LIBRARY_FRAGMENT(specserve_q, m) {
   m.def("layers(Tensor x, Tensor cos, Tensor sin, Tensor[] norms, Tensor[] blocks, int[] kinds, "
         "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, int[] offsets, int[] lengths, int[] starts, "
         "int[] tree_starts, Tensor[] visible, int heads, int kv_heads, float eps, int[] capture) "
-        "-> Tensor[]", &layers);
+        "-> Tensor[]", &specserve::layers);
 }

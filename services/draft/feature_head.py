@@ -93,8 +93,9 @@ class FeatureHead(nn.Module):
         self.register_buffer("inv_freq", torch.tensor(c.inv_freq), persistent=False)  # [head_dim / 2]
         self._routes: dict | None = None  # serving: per linear, x [rows, in] -> [rows, out] (prepare_serving)
         self._matmul: Matmul | None = None  # the float routes' chooser
-        # serving on the native kernels: the decoder layer's layers.cpp arguments (norms, blocks, kinds)
-        self.stack: tuple | None = None
+        # serving on the native kernels: head.cpp's arguments (norms, blocks, kinds) for the draft forward
+        self.native: tuple | None = None
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # serving: cos, sin [positions, d]
 
     def prepare_serving(self) -> None:
         """Serve with frozen weights (inference only). With the native CPU kernels each linear is
@@ -118,19 +119,21 @@ class FeatureHead(nn.Module):
                     floats.append(self._matmul.weight(w))
                     self._routes[name] = lambda x, fw=floats[-1]: self._matmul(x, fw)
         self._matmul.tune(floats)
-        self.stack = self._native_stack(native)
+        self.native = self._native_args(native)
 
-    def _native_stack(self, native: dict) -> tuple | None:
-        """layers.cpp's arguments for the decoder layer (norms, blocks, kinds) when its four
-        linears run native and unpadded and attention.cpp takes the head size; else None."""
-        names = ("wqkv", "wo", "wgu", "wd")
-        layer = [native.get(n) for n in names]
-        if self.config.head_dim % 32 or any(w is None or w.shape != getattr(self, n).weight.shape
-                                            for w, n in zip(layer, names)):
+    def _native_args(self, native: dict) -> tuple | None:
+        """head.cpp's arguments (norms, blocks, kinds) when the fusion, the projection into the layer,
+        its four linears and the LM head all run native (the layer's unpadded) and attention.cpp
+        takes the head size; else None."""
+        names = ("input_proj", "wqkv", "wo", "wgu", "wd", "lm_head", "fuse")
+        weights = [native.get(n) for n in names]
+        if self.config.head_dim % 32 or any(w is None for w in weights) or any(
+                w.shape != getattr(self, n).weight.shape for w, n in zip(weights[1:5], names[1:5])):
             return None
-        blocks = [w.tiles if isinstance(w, qmatmul.TileWeight) else w.block.raw for w in layer]
-        kinds = [qmatmul.TILES if isinstance(w, qmatmul.TileWeight) else qmatmul.KINDS["Q8_0"] for w in layer]
-        return [self.ln1.detach(), self.ln2.detach()], blocks, kinds
+        blocks = [w.tiles if isinstance(w, qmatmul.TileWeight) else w.block.raw for w in weights]
+        kinds = [qmatmul.TILES if isinstance(w, qmatmul.TileWeight) else qmatmul.KINDS["Q8_0"] for w in weights]
+        norms = [self.embed_norm, self.state_norm, self.ln1, self.ln2, self.norm, self.feature_norm]
+        return [n.detach() for n in norms], blocks, kinds
 
     def _linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
         if self._routes is None:
@@ -158,6 +161,16 @@ class FeatureHead(nn.Module):
         freqs = positions.float()[..., None] * self.inv_freq
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos() * self.config.rope_scaling, emb.sin() * self.config.rope_scaling
+
+    def rope_at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """rope(positions), served from a table of every position so far (grown by doubling): one
+        lookup per draft forward instead of computing it."""
+        need = int(positions.max()) + 1
+        if self._rope_table is None or len(self._rope_table[0]) < need:
+            have = 0 if self._rope_table is None else len(self._rope_table[0])
+            self._rope_table = self.rope(torch.arange(min(max(need, 2 * have, 1024), self.config.max_positions)))
+        cos, sin = self._rope_table
+        return cos[positions], sin[positions]
 
     def qkv(self, u: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """u [..., T, hidden] -> q [..., heads, T, d], k, v [..., kv_heads, T, d] (RoPE applied)."""

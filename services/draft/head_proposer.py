@@ -43,6 +43,7 @@ class _HeadState:
     slots: int = 0  # cache slots holding committed positions
     last: int = -1  # the last committed position fed
     out: torch.Tensor | None = None  # [hidden]: the head's output state at `last`
+    logits: torch.Tensor | None = None  # [1, draft vocab]: its draft logits (the tree's first level)
     tree_fed: int = 0  # this step's tree nodes with a slot (after the committed ones)
     node_out: list = field(default_factory=list)  # output state [hidden] of each fed tree node
     held: list = field(default_factory=list)  # HiddenStates of steps it did not draft (hold), fed next time
@@ -53,14 +54,19 @@ class _Part:
     """One request's rows in one head forward."""
 
     cache: KVCache
-    # [n, hidden]: each row's input state, a parent's output or the fused target states (a
-    # committed part holds the target's [n, layers * hidden] until propose fuses every part's at once)
+    # [n, hidden]: each row's input state, its parent's output; a committed part holds the target's
+    # states [n, layers * hidden] instead, which _forward fuses
     state: torch.Tensor
     ids: list[int]  # [n]: the token each row reads
     positions: list[int]  # [n]
-    mask: torch.Tensor  # [n, slots before + n] bool: what each row attends to
     tree_start: int  # the slots before it see every row; after it, `visible` says
     visible: torch.Tensor  # [n, slots from tree_start] bool, or NO_MASK: causal (attention.cpp's plan)
+
+    def mask(self) -> torch.Tensor:
+        """[n, tree_start + slots after it] bool: what each row attends to (torch's SDPA)."""
+        n = len(self.ids)
+        seen = torch.ones(n, n, dtype=torch.bool).tril() if self.visible is NO_MASK else self.visible
+        return torch.cat([torch.ones(n, self.tree_start, dtype=torch.bool), seen], 1)
 
 
 class HeadProposer(Proposer):
@@ -78,31 +84,41 @@ class HeadProposer(Proposer):
         self.width = head.config.state_size
 
     @torch.inference_mode()
-    def _forward(self, parts: list[_Part]) -> list[torch.Tensor]:
-        """Feed every part's rows into its cache; returns each part's output states [n, hidden]."""
-        h = self.head
-        u = h.layer_input(torch.cat([p.state for p in parts]), self.embed[[i for p in parts for i in p.ids]])
-        cos, sin = h.rope(torch.tensor([t for p in parts for t in p.positions]))  # [N, d]
-        if h.stack is not None:
-            out = self._native_layer(parts, u, cos, sin)
+    def _forward(self, parts: list[_Part], committed: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Feed every part's rows into its cache; returns each part's output states [n, hidden] and
+        draft logits [n, draft vocab]. `committed`: the parts hold the target's states (fused
+        first), and only each one's last row's logits are wanted ([1, draft vocab])."""
+        h, sizes = self.head, [len(p.ids) for p in parts]
+        state, emb = torch.cat([p.state for p in parts]), self.embed[[i for p in parts for i in p.ids]]
+        positions = torch.tensor([t for p in parts for t in p.positions])
+        ends = torch.tensor(sizes).cumsum(0)
+        rows = ends - 1 if committed else torch.arange(int(ends[-1]))  # the rows whose logits are wanted
+        cos, sin = h.rope_at(positions)  # [N, d]
+        if h.native is not None:
+            out, logits = self._native_forward(parts, state, emb, cos, sin, rows, committed)
         else:
-            out = self._torch_layer(parts, u, cos, sin)
-        return list(out.split([len(p.ids) for p in parts]))
+            state = h.fuse_states(state) if committed else state
+            out = self._torch_layer(parts, h.layer_input(state, emb), cos, sin)
+            logits = h.logits(out[rows])
+        return list(out.split(sizes)), list(logits.split([1] * len(parts) if committed else sizes))
 
-    def _native_layer(self, parts: list[_Part], u, cos, sin) -> torch.Tensor:
-        """The decoder layer in one layers.cpp call (the target's own CPU kernels)."""
+    def _native_forward(self, parts: list[_Part], state, emb, cos, sin, rows, committed: bool
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head in one head.cpp call (the target's own CPU kernels): output states [N, hidden]
+        and the logits of `rows` [R, draft vocab]."""
         c, offsets, off = self.head.config, [], 0
         for p in parts:
             p.cache.reserve(p.cache.length + len(p.ids))
             offsets.append(off)
             off += len(p.ids)
-        out, = torch.ops.specserve_q.layers(
-            u.contiguous(), cos, sin, *self.head.stack, [p.cache.k for p in parts], [p.cache.v for p in parts],
-            offsets, [len(p.ids) for p in parts], [p.cache.length for p in parts], [p.tree_start for p in parts],
-            [p.visible for p in parts], c.num_heads, c.num_kv_heads, c.rms_norm_eps, [])
+        out, logits = torch.ops.specserve_q.head_forward(
+            state.float().contiguous(), emb.contiguous(), cos, sin, *self.head.native, [p.cache.k for p in parts],
+            [p.cache.v for p in parts], offsets, [len(p.ids) for p in parts], [p.cache.length for p in parts],
+            [p.tree_start for p in parts], [p.visible for p in parts], c.num_heads, c.num_kv_heads,
+            c.rms_norm_eps, rows, committed)
         for p in parts:
             p.cache.length += len(p.ids)
-        return out
+        return out, logits[:, : c.draft_vocab]  # the LM head's tiles pad its outputs to 16
 
     def _torch_layer(self, parts: list[_Part], u, cos, sin) -> torch.Tensor:
         h = self.head
@@ -115,7 +131,7 @@ class HeadProposer(Proposer):
             p.cache.v[0][:, start : start + n] = v[:, off : off + n]
             p.cache.length = start + n
             o = F.scaled_dot_product_attention(q[None, :, off : off + n], p.cache.k[0][None, :, : start + n],
-                                               p.cache.v[0][None, :, : start + n], attn_mask=p.mask,
+                                               p.cache.v[0][None, :, : start + n], attn_mask=p.mask(),
                                                enable_gqa=True)[0]  # [heads, n, d]
             attn.append(o.transpose(0, 1).flatten(1))
             off += n
@@ -146,10 +162,8 @@ class HeadProposer(Proposer):
                 positions.extend(range(first, end))
         if not positions:
             return None
-        n = len(positions)
-        mask = torch.cat([torch.ones(n, st.slots, dtype=torch.bool), torch.ones(n, n, dtype=torch.bool).tril()], 1)
-        # the target's states [n, layers * hidden]: fused for every part at once (propose)
-        return _Part(seq.cache, torch.cat(rows), [seq.tokens[t + 1] for t in positions], positions, mask, st.slots,
+        # the target's states [n, layers * hidden]: _forward fuses them
+        return _Part(seq.cache, torch.cat(rows), [seq.tokens[t + 1] for t in positions], positions, st.slots,
                      NO_MASK)
 
     def hold(self, items: list[ProposeItem]) -> None:
@@ -165,12 +179,8 @@ class HeadProposer(Proposer):
         live = [(i, it, self._state(it.seq)) for i, it in enumerate(items) if it.draft_length > 0 and it.tree_size > 0]
         fed = [(it, st, part) for _, it, st in live if (part := self._committed_part(it, st)) is not None]
         if fed:
-            raw = torch.cat([p.state for _, _, p in fed])  # [rows of all parts, layers * hidden]
-            fused = self.head.fuse_states(raw).split([len(p.ids) for _, _, p in fed])
-            for (_, _, part), g in zip(fed, fused):
-                part.state = g
-            for (it, st, part), out in zip(fed, self._forward([p for _, _, p in fed])):
-                st.slots, st.last, st.out = st.slots + len(part.ids), part.positions[-1], out[-1]
+            for (it, st, part), out, logits in zip(fed, *self._forward([p for _, _, p in fed], committed=True)):
+                st.slots, st.last, st.out, st.logits = st.slots + len(part.ids), part.positions[-1], out[-1], logits
         # the head drafts from the output at the position before the last committed token
         works = [Growth(it, trees[i], max(1, -(-it.tree_size // it.draft_length)), [(-1, 1.0)])
                  for i, it, st in live if st.out is not None and st.last == len(it.seq.tokens) - 2]
@@ -180,8 +190,7 @@ class HeadProposer(Proposer):
 
     @torch.inference_mode()
     def _grow(self, works: list[Growth]) -> None:
-        roots = torch.stack([w.item.seq.scratch.out for w in works])  # [works, hidden]
-        logits = list(self.head.logits(roots).split(1))  # [1, draft vocab] each
+        logits = [w.item.seq.scratch.logits for w in works]  # [1, draft vocab] each
         depth = 1
         while works:
             dists = distributions(works, logits, self.head.d2t, self.vocab_size, self.branch, self.q_support)
@@ -192,10 +201,9 @@ class HeadProposer(Proposer):
                      and (not w.item.seq.params.greedy or sum(v for _, v in w.frontier) >= self.min_level_mass)]
             if not works:
                 return
-            outs = self._forward([self._tree_part(w, new) for w, new in works])
+            outs, logits = self._forward([self._tree_part(w, new) for w, new in works])  # [new, ...] each
             for (w, _), out in zip(works, outs):
                 w.item.seq.scratch.node_out.extend(out)
-            logits = list(self.head.logits(torch.cat(outs)).split([len(o) for o in outs]))  # [new, draft vocab] each
             works = [w for w, _ in works]
 
     def _tree_part(self, w: Growth, new: list[int]) -> _Part:
@@ -205,15 +213,13 @@ class HeadProposer(Proposer):
         state = torch.stack([st.out if p < 0 else st.node_out[p] for p in parents])
         depth = tree.depths()
         positions = [st.last + depth[n] for n in new]
-        # prefix slots, then the tree's fed nodes (node i in slot st.slots + i) on the node's path
+        # after the prefix slots, the tree's fed nodes (node i in slot st.slots + i) on the node's path
         fed = st.tree_fed + len(new)
-        mask = torch.zeros(len(new), st.slots + fed, dtype=torch.bool)
-        mask[:, : st.slots] = True
-        for r, n in enumerate(new):
-            a = n
-            while a >= 0:
-                mask[r, st.slots + a] = True
-                a = tree.parents[a]
+        visible = [[False] * fed for _ in new]
+        for row, n in zip(visible, new):
+            while n >= 0:
+                row[n] = True
+                n = tree.parents[n]
         st.tree_fed = fed
-        return _Part(seq.cache, state, [tree.tokens[n] for n in new], positions, mask, st.slots,
-                     mask[:, st.slots :].contiguous())
+        return _Part(seq.cache, state, [tree.tokens[n] for n in new], positions, st.slots,
+                     torch.tensor(visible, dtype=torch.bool))

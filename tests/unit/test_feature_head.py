@@ -290,9 +290,10 @@ def test_an_unknown_head_weight_kind_is_refused(target, monkeypatch):
 
 @pytest.mark.skipif(not __import__("services.common.cpu_kernels", fromlist=["x"]).available(),
                     reason="the native CPU kernels are not built here")
-def test_the_native_layer_drafts_what_the_torch_layer_drafts(tmp_path):
-    """The served head's decoder layer in one layers.cpp call (the target's kernels, attention.cpp
-    over the tree's visible slots) computes what the torch ops (SDPA with the mask) compute."""
+def test_the_native_head_drafts_what_the_torch_ops_draft(tmp_path):
+    """The served head in one head.cpp call (its norms, projection, decoder layer and LM head on the
+    target's kernels, attention.cpp over the tree's visible slots) computes what the torch ops
+    (SDPA with the mask) compute."""
     # attention.cpp takes head sizes in multiples of 32
     target = load_model(str(tiny.make_checkpoint(tmp_path / "wide", seed=4, hidden=64, heads=2, kv_heads=1)))
     ids = list(range(5, 17))
@@ -300,9 +301,9 @@ def test_the_native_layer_drafts_what_the_torch_layer_drafts(tmp_path):
     runs = []
     for native in (True, False):
         proposer = tiny.head_proposer(target, tiny.make_head(target))
-        assert (proposer.head.stack is not None) is True
+        assert proposer.head.native is not None
         if not native:
-            proposer.head.stack = None
+            proposer.head.native = None
         seq = Sequence("r", SamplingParams(max_tokens=4), None, tokens=list(ids))
         tree = proposer.propose([ProposeItem(seq, 3, 9, [HiddenStates(0, states[:11])])])[0]
         runs.append((tree.tokens, tree.parents, seq.scratch.out, torch.stack(seq.scratch.node_out)))
