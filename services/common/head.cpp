@@ -31,11 +31,11 @@ at::Tensor fuse(const at::Tensor& states, const at::Tensor& feature_norms, const
 
 // state [N, hidden] (each row's input state: the head's own output for a tree node), or with
 // `fused` the target's states [N, layers * hidden] of committed positions; embedding [N, hidden]:
-// each row's token's. norms: the head's embed_norm, state_norm, ln1, ln2 and final norm, then with
-// `fused` feature_norm; blocks and kinds: input_proj, wqkv, wo, wgu, wd and lm_head, then with
-// `fused` the fuse linear. The caches and the plan as layers.cpp takes them. logit_rows [R]: the
-// rows whose draft logits are wanted. Returns the output states [N, hidden] and those rows' logits
-// [R, lm_head's outputs].
+// each row's token's. norms: the head's embed_norm, state_norm, ln1, ln2, final norm and
+// feature_norm; blocks and kinds: input_proj, wqkv, wo, wgu, wd, lm_head and fuse (the last of each
+// read only with `fused`). The caches and the plan as layers.cpp takes them. logit_rows [R]: the
+// rows whose draft logits are wanted (R = N: all of them, in order). Returns the output states
+// [N, hidden] and those rows' logits [R, lm_head's outputs].
 std::vector<at::Tensor> head_forward(const at::Tensor& state, const at::Tensor& embedding,
                                      const at::Tensor& cos, const at::Tensor& sin,
                                      at::TensorList norms, at::TensorList blocks,

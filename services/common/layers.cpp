@@ -50,9 +50,9 @@ std::vector<at::Tensor> layers(at::Tensor x, const at::Tensor& cos, const at::Te
     }
     at::Tensor attn = at::empty({rows, heads, dim}, x.options());
     attend_(attn, qkv.narrow(1, 0, hq).view({rows, heads, dim}),
-                       qkv.narrow(1, hq, hk).view({rows, kv_heads, dim}),
-                       qkv.narrow(1, hq + hk, hk).view({rows, kv_heads, dim}), kc, vc, offsets,
-                       lengths, starts, tree_starts, visible, scale);
+            qkv.narrow(1, hq, hk).view({rows, kv_heads, dim}),
+            qkv.narrow(1, hq + hk, hk).view({rows, kv_heads, dim}), kc, vc, offsets, lengths, starts,
+            tree_starts, visible, scale);
     x = x + linear(attn.view({rows, hq}), blocks[4 * li + 1], kinds[4 * li + 1]);
     at::Tensor gate_up =
         linear(rms_norm(x, norms[2 * li + 1], eps), blocks[4 * li + 2], kinds[4 * li + 2]);
