@@ -3,12 +3,13 @@
 `qmatmul.cpp` (the float32 block matmul), `q8matmul.cpp` (4-bit tiles by int8 rows), `rowwise.cpp`
 (RMSNorm, RoPE, silu * up), `attention.cpp` (the rows that yield tokens, over their KV caches),
 `layers.cpp` (a native model's decoder stack through all of them, in one call) and `head.cpp` (the
-feature head's draft forward likewise); `simd.h` and `cpu_ops.h` are shared. The sources compile once per machine into one
-library (g++ -march=native: the matmul needs AVX2, FMA and F16C; OpenMP through torch's own
-runtime, so its threads are torch's) against the installed torch, under `$SPECSERVE_HOME/build/`
-with a name keyed by the sources, torch's version and the CPU's flags. `make setup` builds it, a
-first load otherwise does (about 30 s). Without a compiler or those instructions `available()`
-is False: native weights take torch's int4 route and the layers torch's own ops.
+feature head's draft forward likewise); `simd.h` and `cpu_ops.h` are shared. The sources compile
+once per machine into one library (g++ -march=native: the matmul needs AVX2, FMA and F16C; OpenMP
+through torch's own runtime, so its threads are torch's) against the installed torch, under
+`$SPECSERVE_HOME/build/` with a name keyed by the sources, torch's version and the CPU's flags.
+`make setup` builds it, a first load otherwise does (about 30 s). Without a compiler or those
+instructions `available()` is False: native weights take torch's int4 route and the layers
+torch's own ops.
 """
 
 from __future__ import annotations

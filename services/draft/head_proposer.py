@@ -19,6 +19,7 @@ and stop a level early when the last level's path probabilities are too small to
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -91,26 +92,25 @@ class HeadProposer(Proposer):
         h, sizes = self.head, [len(p.ids) for p in parts]
         state, emb = torch.cat([p.state for p in parts]), self.embed[[i for p in parts for i in p.ids]]
         positions = torch.tensor([t for p in parts for t in p.positions])
-        ends = torch.tensor(sizes).cumsum(0)
-        rows = ends - 1 if committed else torch.arange(int(ends[-1]))  # the rows whose logits are wanted
+        offsets = [0, *itertools.accumulate(sizes)]  # each part's first row, then the total
+        # the rows whose logits are wanted
+        rows = torch.tensor(offsets[1:]) - 1 if committed else torch.arange(offsets[-1])
         cos, sin = h.rope_at(positions)  # [N, d]
         if h.native is not None:
-            out, logits = self._native_forward(parts, state, emb, cos, sin, rows, committed)
+            out, logits = self._native_forward(parts, state, emb, cos, sin, offsets[:-1], rows, committed)
         else:
             state = h.fuse_states(state) if committed else state
             out = self._torch_layer(parts, h.layer_input(state, emb), cos, sin)
             logits = h.logits(out[rows])
         return list(out.split(sizes)), list(logits.split([1] * len(parts) if committed else sizes))
 
-    def _native_forward(self, parts: list[_Part], state, emb, cos, sin, rows, committed: bool
+    def _native_forward(self, parts: list[_Part], state, emb, cos, sin, offsets: list[int], rows, committed: bool
                         ) -> tuple[torch.Tensor, torch.Tensor]:
         """The head in one head.cpp call (the target's own CPU kernels): output states [N, hidden]
         and the logits of `rows` [R, draft vocab]."""
-        c, offsets, off = self.head.config, [], 0
+        c = self.head.config
         for p in parts:
             p.cache.reserve(p.cache.length + len(p.ids))
-            offsets.append(off)
-            off += len(p.ids)
         out, logits = torch.ops.specserve_q.head_forward(
             state.float().contiguous(), emb.contiguous(), cos, sin, *self.head.native, [p.cache.k for p in parts],
             [p.cache.v for p in parts], offsets, [len(p.ids) for p in parts], [p.cache.length for p in parts],

@@ -42,7 +42,7 @@ def union(a: DraftTree, b: DraftTree, budget: int) -> DraftTree:
                 kids[path] = []
             conf[path] = max(conf.get(path, 0.0), float(c))
     value = {(): 1.0}
-    for path in sorted(conf, key=len):  # parents before children
+    for path in conf:  # added parents first (each tree's are, and b's nodes under a's follow a's)
         value[path] = value[path[:-1]] * conf[path]
     kept = set(sorted(conf, key=lambda p: (-value[p], len(p)))[:budget])
     out, index, level = DraftTree(), {(): -1}, [()]
@@ -77,14 +77,10 @@ class HybridProposer(Proposer):
             h = None if use else next(heads)
             if h is None or not len(h):
                 choice, tree = "ngram", g
-            elif len(g) and it.seq.params.greedy and _scored(g) and _scored(h):
+            elif len(g) and it.seq.params.greedy:  # both carry a confidence per node
                 choice, tree = "both", union(h, g, it.tree_size)
             else:
                 choice, tree = "head", h
             self.chosen[choice] += 1
             out.append(tree)
         return out
-
-
-def _scored(tree: DraftTree) -> bool:
-    return len(tree.confidence) == len(tree.tokens)
