@@ -3,7 +3,8 @@
 For the default target (or --target) as served (native GGUF weights: 4-bit layers on the tile
 kernel's integer dot products, q8matmul.cpp; for chunks of up to 8 rows the whole decoder stack
 in one call, layers.cpp, with attention.cpp), the same on the float32 block kernel
-(SPECSERVE_NATIVE_MATMUL=float, as served before the tile kernel), the served model op by op
+(SPECSERVE_NATIVE_MATMUL=float, as served before the tile kernel), the served model with its Q8_0
+LM head on the float block kernel (as served before that took tiles too), the served model op by op
 from Python, on torch's int4 route (the fallback: bfloat16 activations, float64 attention) and
 on float32 weights, the time of one forward of a chain of n new rows after a `--context`-token
 prefix, the cache rolled back after each. The models run interleaved per repeat; medians
@@ -29,6 +30,8 @@ sys.path.insert(0, str(ROOT))
 from services.bench.report import meta, stamp  # noqa: E402
 from services.common.llama import Chunk, LlamaModel  # noqa: E402
 from services.common.loading import load_model  # noqa: E402
+from services.common import qmatmul  # noqa: E402
+from services.common.matmul import Weight  # noqa: E402
 from services.common.quant import ROUTE_ENV  # noqa: E402
 
 
@@ -55,6 +58,10 @@ def main() -> None:
         os.environ[ROUTE_ENV] = route
         models[name] = load_model(args.target, weight_format="native").model
         del os.environ[ROUTE_ENV]
+    models["head_float"] = load_model(args.target, weight_format="native").model
+    head = models["head_float"].head_blocks
+    if head is not None and qmatmul.supports(head):
+        models["head_float"].lm_head = Weight(None, None, qmatmul.BlockWeight(head))
     models["native_ops"] = load_model(args.target, weight_format="native").model
     models["native_ops"].stack = None  # the layers op by op from Python
     models["float32"] = load_model(args.target, weight_format="float32").model
@@ -73,13 +80,13 @@ def main() -> None:
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"One forward of n rows after {args.context} cached tokens, {args.target}, median of {args.repeats} "
           f"interleaved repeats. {stamp(meta(sys.argv))}.\n")
-    names = ("native", "native_float", "native_ops", "int4", "float32")
-    print("| rows | native ms | float block kernel ms | op by op ms | int4 route ms | float32 ms "
-          "| native / float block kernel | native / float32 |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    names = ("native", "head_float", "native_float", "native_ops", "int4", "float32")
+    print("| rows | native ms | LM head on the float block kernel ms | float block kernel ms | op by op ms "
+          "| int4 route ms | float32 ms | native / float block kernel | native / float32 |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        n, b, o, i, f = (med[(name, r)] for name in names)
-        print(f"| {r} | {n:.1f} | {b:.1f} | {o:.1f} | {i:.1f} | {f:.1f} | {n / b:.2f} | {n / f:.2f} |")
+        n, h, b, o, i, f = (med[(name, r)] for name in names)
+        print(f"| {r} | {n:.2f} | {h:.2f} | {b:.1f} | {o:.1f} | {i:.1f} | {f:.1f} | {n / b:.2f} | {n / f:.2f} |")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-// x @ w.T on 4-bit blocks with integer dot products, as llama.cpp multiplies them: each row of x
+// x @ w.T on 4-bit and 8-bit blocks with integer dot products, as llama.cpp multiplies them: each row of x
 // is rounded to int8 per block of 32 values (one float scale per block), and every weight block
 // meets it in 32-bit integer sums (AVX-512 VNNI where the CPU has it, else pairs of multiply-add
 // instructions), scaled into float32 once per block.
@@ -9,7 +9,11 @@
 // the high nibbles hold q[o][16+4t..16+4t+3]), then the 16 scales d and the 16 offsets m as
 // float16: 320 bytes, the size of the file's 16 blocks. A weight is q * d + m (Q4_0 packs with
 // m = -8 d). So a row's 4 activations broadcast to every lane, and the sums need no horizontal
-// reduction at the end.
+// reduction at the end. Q8_0 tiles hold, for t = 0..7, the 16 outputs' 4-byte groups q[o][4t..4t+3]
+// (signed) and then their 16 scales d: 544 bytes, again the size of the file's 16 blocks. The
+// product units multiply unsigned by signed bytes: with VNNI a weight enters as q + 128 and the
+// row's 128 * sum(x) comes off the integer sum; else as |q| against x carrying q's sign (a pair of
+// products stays within int16, where (q + 128) * x would not).
 //
 // The integer sums are exact, and each (row, output) then runs the same float instructions in
 // block order whatever the row count or tile: a row's outputs do not depend on the other rows of
@@ -32,7 +36,8 @@ namespace {
 
 constexpr int kBlock = 32;
 constexpr int kTile = 16;                  // outputs per tile
-constexpr int kTileBytes = 256 + 32 + 32;  // nibbles, d and m of 16 blocks
+constexpr int kTileBytes = 256 + 32 + 32;  // Q4: nibbles, d and m of 16 blocks
+constexpr int kTile8Bytes = 512 + 32;      // Q8_0: bytes and d of 16 blocks
 
 #if defined(__AVX512BW__)
 using IVec = __m512i;
@@ -56,6 +61,19 @@ inline IVec dot4(IVec s, IVec w, IVec x) {
   return _mm512_add_epi32(s, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), _mm512_set1_epi16(1)));
 #endif
 }
+#if defined(__AVX512VNNI__)
+constexpr bool kVnni = true;
+#else
+constexpr bool kVnni = false;
+#endif
+inline IVec iflip(IVec v) { return _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80))); }
+inline IVec iabs(IVec v) { return _mm512_abs_epi8(v); }
+// x negated where w < 0 (where w is 0, |w| is too: the product is 0 either way)
+inline IVec isign(IVec x, IVec w) {
+  return _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
+}
+inline IVec isub(IVec a, IVec b) { return _mm512_sub_epi32(a, b); }
+inline IVec iset1(int32_t v) { return _mm512_set1_epi32(v); }
 inline FVec hload(const uint8_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
@@ -89,6 +107,16 @@ inline IVec dot4(IVec s, IVec w, IVec x) {
   return _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
 #endif
 }
+#if defined(__AVXVNNI__)
+constexpr bool kVnni = true;
+#else
+constexpr bool kVnni = false;
+#endif
+inline IVec iflip(IVec v) { return _mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80))); }
+inline IVec iabs(IVec v) { return _mm256_abs_epi8(v); }
+inline IVec isign(IVec x, IVec w) { return _mm256_sign_epi8(x, w); }  // x with the sign of w per byte
+inline IVec isub(IVec a, IVec b) { return _mm256_sub_epi32(a, b); }
+inline IVec iset1(int32_t v) { return _mm256_set1_epi32(v); }
 inline FVec hload(const uint8_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
@@ -102,12 +130,13 @@ constexpr int kMaxRows = 4;
 #endif
 constexpr int kParts = kTile / kLanes;  // vectors per tile row: 1 (AVX-512) or 2 (AVX2)
 
-// x as int8 blocks, per block its scale d and d * sum(q) (for m's term). Block-major, the rows'
+// x as int8 blocks, per block its scale d, d * sum(q) (for m's term) and sum(q) (exact in a float). Block-major, the rows'
 // blocks b side by side: one pointer and a constant offset reach every row of a pass (with a
 // pointer per row, 8 rows ran out of registers and took 1.5x the time of 7).
+constexpr int kScales = 3;
 struct Rows {
   const int8_t* q;      // [blocks, stride, 32], at this pass's first row
-  const float* scales;  // [blocks, stride, 2], likewise
+  const float* scales;  // [blocks, stride, kScales], likewise
   int64_t stride, blocks;
 };
 
@@ -128,7 +157,7 @@ void tile(const Rows& x, const uint8_t* w, float* y, int64_t ldy) {
       }
       const FVec d = hload(p + 256 + 2 * kLanes * h), m = hload(p + 288 + 2 * kLanes * h);
       const int8_t* qb = x.q + b * x.stride * kBlock;  // the rows' blocks b, side by side
-      const float* sb = x.scales + b * x.stride * 2;
+      const float* sb = x.scales + b * x.stride * kScales;
       for (int r = 0; r < NR; ++r) {
         const int8_t* q = qb + r * kBlock;
         IVec s0 = izero(), s1 = izero();
@@ -136,7 +165,7 @@ void tile(const Rows& x, const uint8_t* w, float* y, int64_t ldy) {
           s0 = dot4(s0, lo[t], ibcast(q + 4 * t));
           s1 = dot4(s1, hi[t], ibcast(q + 16 + 4 * t));
         }
-        const float* sc = sb + r * 2;
+        const float* sc = sb + r * kScales;
         acc[r][h] = ffma(tofloat(iadd(s0, s1)), fmul(d, fset1(sc[0])), acc[r][h]);
         acc[r][h] = ffma(m, fset1(sc[1]), acc[r][h]);
       }
@@ -146,20 +175,59 @@ void tile(const Rows& x, const uint8_t* w, float* y, int64_t ldy) {
     for (int h = 0; h < kParts; ++h) fstore(y + r * ldy + h * kLanes, acc[r][h]);
 }
 
+// The same for a Q8_0 tile.
+template <int NR>
+void tile8(const Rows& x, const uint8_t* w, float* y, int64_t ldy) {
+  FVec acc[NR][kParts];
+  for (int r = 0; r < NR; ++r)
+    for (int h = 0; h < kParts; ++h) acc[r][h] = fzero();
+  for (int64_t b = 0; b < x.blocks; ++b) {
+    const uint8_t* p = w + b * kTile8Bytes;
+    for (int h = 0; h < kParts; ++h) {
+      IVec wq[8], wu[8];  // the signed bytes; the unsigned operand (q + 128, or |q|)
+      for (int t = 0; t < 8; ++t) {
+        wq[t] = iload(p + 64 * t + 4 * kLanes * h);
+        wu[t] = kVnni ? iflip(wq[t]) : iabs(wq[t]);
+      }
+      const FVec d = hload(p + 512 + 2 * kLanes * h);
+      const int8_t* qb = x.q + b * x.stride * kBlock;
+      const float* sb = x.scales + b * x.stride * kScales;
+      for (int r = 0; r < NR; ++r) {
+        const int8_t* q = qb + r * kBlock;
+        const float* sc = sb + r * kScales;
+        IVec s = izero();
+        for (int t = 0; t < 8; ++t) {
+          const IVec xv = ibcast(q + 4 * t);
+          s = dot4(s, wu[t], kVnni ? xv : isign(xv, wq[t]));
+        }
+        if (kVnni) s = isub(s, iset1(128 * static_cast<int32_t>(sc[2])));
+        acc[r][h] = ffma(tofloat(s), fmul(d, fset1(sc[0])), acc[r][h]);
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int h = 0; h < kParts; ++h) fstore(y + r * ldy + h * kLanes, acc[r][h]);
+}
+
 // Tiles [t0, t1) for `rows` rows starting at x: NR rows per pass, the rest in one pass of fewer.
-template <int NR = kMaxRows>
+template <bool Q8, int NR = kMaxRows>
 void rows_pass(const Rows& x, int64_t rows, const uint8_t* w, int64_t ldt, float* y, int64_t n,
                int64_t t0, int64_t t1) {
   if constexpr (NR > 1) {
-    if (rows < NR) return rows_pass<NR - 1>(x, rows, w, ldt, y, n, t0, t1);
+    if (rows < NR) return rows_pass<Q8, NR - 1>(x, rows, w, ldt, y, n, t0, t1);
   }
-  for (int64_t t = t0; t < t1; ++t) tile<NR>(x, w + t * ldt, y + t * kTile, n);
+  for (int64_t t = t0; t < t1; ++t) {
+    if constexpr (Q8)
+      tile8<NR>(x, w + t * ldt, y + t * kTile, n);
+    else
+      tile<NR>(x, w + t * ldt, y + t * kTile, n);
+  }
 }
 
 // Row r of x [rows, in] as int8 per block of 32: scale d = max|x| / 127, q = round(x / d) (to
-// nearest even), and d * sum(q); q and scales point at its first block, `rows` rows apart.
+// nearest even), d * sum(q) and sum(q); q and scales point at its first block, `rows` rows apart.
 void quantize_row(const float* x, int64_t in, int64_t rows, int8_t* q, float* scales) {
-  for (int64_t b = 0; b < in / kBlock; ++b, q += rows * kBlock, scales += rows * 2) {
+  for (int64_t b = 0; b < in / kBlock; ++b, q += rows * kBlock, scales += rows * kScales) {
     const float* xb = x + b * kBlock;
     float amax = 0.0f;
     for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::abs(xb[i]));
@@ -172,6 +240,7 @@ void quantize_row(const float* x, int64_t in, int64_t rows, int8_t* q, float* sc
     }
     scales[0] = d;
     scales[1] = d * static_cast<float>(sum);
+    scales[2] = static_cast<float>(sum);
   }
 }
 
@@ -183,17 +252,19 @@ at::Tensor specserve::q8matmul(const at::Tensor& x, const at::Tensor& tiles) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "q8matmul: x must be a contiguous float32 [rows, in]");
   TORCH_CHECK(tiles.dim() == 2 && tiles.scalar_type() == at::kByte && tiles.is_contiguous(),
-              "q8matmul: tiles must be contiguous uint8 [out / 16, blocks * 320]");
+              "q8matmul: tiles must be contiguous uint8 [out / 16, blocks * 320 or 544]");
   const int64_t rows = x.size(0), in = x.size(1), ntiles = tiles.size(0), ldt = tiles.size(1);
-  TORCH_CHECK(in % kBlock == 0 && ldt == in / kBlock * kTileBytes,
-              "q8matmul: x has ", in, " inputs, the tiles hold ", ldt, " bytes per 16 outputs");
   const int64_t n = ntiles * kTile, blocks = in / kBlock;
+  // The tiles' width tells their kind: 320 bytes a block for 4-bit weights, 544 for Q8_0.
+  const bool q8 = ldt == blocks * kTile8Bytes;
+  TORCH_CHECK(in % kBlock == 0 && (q8 || ldt == blocks * kTileBytes),
+              "q8matmul: x has ", in, " inputs, the tiles hold ", ldt, " bytes per 16 outputs");
   std::vector<int8_t> q(rows * in);
-  std::vector<float> scales(rows * blocks * 2);
+  std::vector<float> scales(rows * blocks * kScales);
   const float* xp = x.data_ptr<float>();
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
-      quantize_row(xp + r * in, in, rows, q.data() + r * kBlock, scales.data() + r * 2);
+      quantize_row(xp + r * in, in, rows, q.data() + r * kBlock, scales.data() + r * kScales);
   });
   at::Tensor y = at::empty({rows, n}, x.options());
   float* yp = y.data_ptr<float>();
@@ -202,9 +273,12 @@ at::Tensor specserve::q8matmul(const at::Tensor& x, const at::Tensor& tiles) {
     for (int64_t r = 0; r < rows; r += kRowSlab) {
       const int64_t slab = std::min(kRowSlab, rows - r);
       for (int64_t s = 0; s < slab; s += kMaxRows) {
-        const Rows part{q.data() + (r + s) * kBlock, scales.data() + (r + s) * 2, rows, blocks};
+        const Rows part{q.data() + (r + s) * kBlock, scales.data() + (r + s) * kScales, rows, blocks};
         const int64_t nr = std::min<int64_t>(kMaxRows, slab - s);
-        rows_pass(part, nr, wp, ldt, yp + (r + s) * n, n, t0, t1);
+        if (q8)
+          rows_pass<true>(part, nr, wp, ldt, yp + (r + s) * n, n, t0, t1);
+        else
+          rows_pass<false>(part, nr, wp, ldt, yp + (r + s) * n, n, t0, t1);
       }
     }
   });

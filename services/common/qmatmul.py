@@ -5,7 +5,8 @@ the dequantized model and multiplied into float32 accumulators, so the only diff
 float32 weights is the order of a sum. `TileWeight` (Q4_0, Q4_1; the served route for them):
 the blocks repacked 16 outputs to a tile, multiplied by activations rounded to int8 per block of
 32 in exact integer sums, as llama.cpp does: 2 to 3 times faster (BENCHMARKS.md), at the
-accuracy tests/unit/test_native_weights.py bounds. torch's int4 route (`services.common.quant`)
+accuracy tests/unit/test_native_weights.py bounds. Q8_0 takes tiles too (the default target's LM
+head): there a verify tree's rows cost little more than one row. torch's int4 route (`services.common.quant`)
 rounds activations to bfloat16. On each, a row's result does not depend on the other rows of the
 call (the kernels' comments say why). Built with the other CPU kernels
 (`services.common.cpu_kernels`).
@@ -55,9 +56,10 @@ TILE = 16  # outputs per tile of q8matmul.cpp
 
 @dataclass
 class TileWeight:
-    """A 4-bit linear weight [out, in] repacked for `q8matmul.cpp`: `tiles` [out / 16, blocks *
-    320] uint8, per tile and block the 16 outputs' nibbles interleaved by 4 inputs, then their
-    scales d and offsets m in float16 (a weight is q * d + m)."""
+    """A 4-bit or Q8_0 linear weight [out, in] repacked for `q8matmul.cpp`: `tiles` [out / 16,
+    blocks * 320 (4-bit) or 544 (Q8_0)] uint8, per tile and block the 16 outputs' quants
+    interleaved by 4 inputs, then their scales d (and for 4 bits offsets m) in float16 (a weight
+    is q * d + m)."""
 
     tiles: torch.Tensor
     shape: tuple[int, int]
@@ -74,9 +76,11 @@ class TileWeight:
 
 
 def pack_tiles(block: BlockTensor) -> TileWeight:
-    """A Q4_0 or Q4_1 weight in q8matmul.cpp's tiles (the same bytes as the file's blocks)."""
+    """A Q4_0, Q4_1 or Q8_0 weight in q8matmul.cpp's tiles (the same bytes as the file's blocks)."""
     out, k = block.shape
     q, scale, low = block.decode()  # q [out, in] (Q4_0's already less 8), scale, low [out, blocks]
+    if block.kind == "Q8_0":
+        return _pack_q8_tiles(q, scale)
     if low is None:  # Q4_0: (q - 8) d = q d + m with m = -8 d
         q, low = q + 8, -8 * scale
     blocks = k // 32
@@ -89,5 +93,18 @@ def pack_tiles(block: BlockTensor) -> TileWeight:
     return TileWeight(tiles.contiguous(), (out, k))
 
 
+def _pack_q8_tiles(q: torch.Tensor, scale: torch.Tensor) -> TileWeight:
+    """q [out, in] (-128..127), scale [out, blocks] -> 544 bytes a tile-block: 8 groups of the 16
+    outputs' 4 signed bytes, then their 16 scales."""
+    out, k = q.shape
+    blocks = k // 32
+    # q[16 g + j, 32 b + 4 t + i] -> [g, b, t, j, i]
+    quants = q.to(torch.int8).view(out // TILE, TILE, blocks, 8, 4).permute(0, 2, 3, 1, 4)
+    quants = quants.reshape(out // TILE, blocks, 512).view(torch.uint8)
+    d = scale.half().view(out // TILE, TILE, blocks).transpose(1, 2).contiguous().view(torch.uint8)
+    tiles = torch.cat([quants, d], dim=-1).reshape(out // TILE, blocks * 544)
+    return TileWeight(tiles.contiguous(), (out, k))
+
+
 def supports_tiles(block: BlockTensor) -> bool:
-    return block.kind in ("Q4_0", "Q4_1") and block.shape[0] % TILE == 0 and cpu_kernels.available()
+    return block.kind in ("Q4_0", "Q4_1", "Q8_0") and block.shape[0] % TILE == 0 and cpu_kernels.available()

@@ -87,15 +87,18 @@ def _int8_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 @needs_kernel
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
 def test_the_tile_kernel_multiplies_int8_rows_by_the_dequantized_weights(kind):
-    """q8matmul.cpp: exact integer sums of int8 activations (rounded per block) and the 4-bit
-    weights, so float64 arithmetic on the same rounded rows is the reference."""
+    """q8matmul.cpp: exact integer sums of int8 activations (rounded per block) and the 4-bit or
+    8-bit weights, so float64 arithmetic on the same rounded rows is the reference."""
     torch.manual_seed(0)
     w = torch.randn(96, 160) * 0.05
     block = BlockTensor(kind, torch.from_numpy(quantize(w.numpy(), gguf.GGMLQuantizationType[kind])))
+    if kind == "Q8_0":  # quants of -128 and 127 (a file may hold -128; the quantizer stops at -127)
+        block.raw.view(96, 5, 34)[:4, 1, 2:10] = torch.tensor([128, 127] * 4, dtype=torch.uint8)
     native = qmatmul.pack_tiles(block)
-    assert native.nbytes() == 96 * 5 * 20 and native.shape == (96, 160)  # 20 bytes a block, as Q4_1
+    per_block = 34 if kind == "Q8_0" else 20  # a 4-bit block takes 20 bytes (Q4_0 gains offsets m)
+    assert native.nbytes() == 96 * 5 * per_block and native.shape == (96, 160)
     x = torch.randn(37, 160)
     x[5, :32] = 0  # an all-zero block: scale 0, not a division by zero
     y, ref = native.linear(x), _int8_rows(x).double() @ block.dequantize().double().T
@@ -113,7 +116,7 @@ def test_the_tile_kernel_names_what_is_wrong_with_its_inputs():
     with pytest.raises(RuntimeError, match="x has 32 inputs, the tiles hold 640 bytes"):
         torch.ops.specserve_q.q8matmul(torch.zeros(1, 32), tiles)
     assert not qmatmul.supports_tiles(BlockTensor("Q4_1", torch.zeros(8, 20, dtype=torch.uint8)))
-    assert not qmatmul.supports_tiles(BlockTensor("Q8_0", torch.zeros(16, 34, dtype=torch.uint8)))
+    assert not qmatmul.supports_tiles(BlockTensor("Q8_0", torch.zeros(8, 34, dtype=torch.uint8)))
 
 
 @needs_kernel
