@@ -5,7 +5,9 @@
 //
 // Each (row, head) walks its visible slots in slot order with the same instructions, so its result
 // depends only on those keys and values: a tree node on the accepted path gets bitwise the output
-// that plain decoding gets for the same token at the same position.
+// that plain decoding gets for the same token at the same position. The rows of a block share
+// each key read, and each value read of the slots before the tree (which every row sees); a row's
+// dots are summed a whole vector of slots at a time.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -42,49 +44,130 @@ inline bool sees(const Seq& s, int64_t r, int64_t i) {
   return s.visible[r * (s.start + s.n - s.tree_start) + i - s.tree_start];
 }
 
-// out[d0 .. d0 + NV vectors) of weighted_sum: two sets of NV accumulators, taking the seen slots
-// in turn (the k-th goes to set k % 2).
+// Rows of one block, as the weighted sums read them: a row's weights p (over slots, 0 where it
+// does not see one), its seen slots from the tree's start on (every row sees the slots before it),
+// 1 / the sum of its weights, and where its output goes.
+struct RowWeights {
+  const float* p;
+  const std::vector<int64_t>* tree;
+  float inv;
+  float* out;
+};
+
+// The weighted sums keep two sets of NV accumulators per row for out[d0 .. d0 + NV vectors), the
+// k-th slot a row sees going to set k % 2 in turn.
 template <int NV>
-void weighted_pass(const float* p, const std::vector<int64_t>& seen, const float* V, int64_t dim,
-                   int64_t d0, specserve::Vec inv, float* out) {
+using Sums = specserve::Vec[2][NV];
+
+// The slots 0 .. end - 1 (end even, before the tree's start: seen by every row, in slot order)
+// into NR rows' sums, each V vector read once for all NR rows.
+template <int NR, int NV>
+void shared_pass(const RowWeights* rows, int64_t end, const float* V, int64_t dim, int64_t d0,
+                 Sums<NV>* sums) {
   using namespace specserve;
-  Vec even[NV], odd[NV];
-  for (int k = 0; k < NV; ++k) even[k] = odd[k] = vzero();
-  const int64_t count = static_cast<int64_t>(seen.size());
-  int64_t c = 0;
-  for (; c + 1 < count; c += 2) {
-    const Vec w0 = vset1(p[seen[c]]), w1 = vset1(p[seen[c + 1]]);
-    const float* v0 = V + seen[c] * dim + d0;
-    const float* v1 = V + seen[c + 1] * dim + d0;
-    for (int k = 0; k < NV; ++k) {
-      even[k] = vfma(w0, vload(v0 + k * kWidth), even[k]);
-      odd[k] = vfma(w1, vload(v1 + k * kWidth), odd[k]);
+  Vec even[NR][NV], odd[NR][NV];
+  for (int j = 0; j < NR; ++j)
+    for (int k = 0; k < NV; ++k) even[j][k] = odd[j][k] = vzero();
+  for (int64_t c = 0; c < end; c += 2) {
+    const float* v0 = V + c * dim + d0;
+    for (int j = 0; j < NR; ++j) {
+      const Vec w0 = vset1(rows[j].p[c]), w1 = vset1(rows[j].p[c + 1]);
+      for (int k = 0; k < NV; ++k) {
+        even[j][k] = vfma(w0, vload(v0 + k * kWidth), even[j][k]);
+        odd[j][k] = vfma(w1, vload(v0 + dim + k * kWidth), odd[j][k]);
+      }
     }
   }
-  if (c < count) {
-    const Vec w0 = vset1(p[seen[c]]);
-    const float* v0 = V + seen[c] * dim + d0;
-    for (int k = 0; k < NV; ++k) even[k] = vfma(w0, vload(v0 + k * kWidth), even[k]);
-  }
-  for (int k = 0; k < NV; ++k) vstore(out + d0 + k * kWidth, (even[k] + odd[k]) * inv);
+  for (int j = 0; j < NR; ++j)
+    for (int k = 0; k < NV; ++k) {
+      sums[j][0][k] = even[j][k];
+      sums[j][1][k] = odd[j][k];
+    }
 }
 
-// out [dim] = sum of p[i] V[i] over the slots i in `seen`, divided by the sum of their p; the
-// k-th seen slot goes to running sum k % 4 of the scalar: independent chains for the core, and
-// the same assignment for every row that sees the same slots.
-void weighted_sum(const float* p, const std::vector<int64_t>& seen, const float* V, int64_t dim,
-                  float* out) {
+// One row's slots from `from` on (`from` even: the slots from there to the tree's start, then its
+// own tree slots) into its sums; then out = their total / the row's total weight.
+template <int NV>
+void row_pass(const RowWeights& r, int64_t from, int64_t prefix, const float* V, int64_t dim,
+              int64_t d0, Sums<NV>& sums) {
   using namespace specserve;
-  float part[4] = {0, 0, 0, 0};
-  for (size_t c = 0; c < seen.size(); ++c) part[c % 4] += p[seen[c]];
-  const Vec inv = vset1(1.0f / ((part[0] + part[1]) + (part[2] + part[3])));
-  int64_t d0 = 0;
-  for (; d0 + 4 * kWidth <= dim; d0 += 4 * kWidth) weighted_pass<4>(p, seen, V, dim, d0, inv, out);
-  for (; d0 < dim; d0 += kWidth) weighted_pass<1>(p, seen, V, dim, d0, inv, out);
+  Vec even[NV], odd[NV];
+  for (int k = 0; k < NV; ++k) {
+    even[k] = sums[0][k];
+    odd[k] = sums[1][k];
+  }
+  const int64_t shared = prefix - from, count = shared + static_cast<int64_t>(r.tree->size());
+  auto slot = [&](int64_t t) { return t < shared ? from + t : (*r.tree)[t - shared]; };
+  int64_t t = 0;
+  for (; t + 1 < count; t += 2) {
+    const int64_t i0 = slot(t), i1 = slot(t + 1);
+    const Vec w0 = vset1(r.p[i0]), w1 = vset1(r.p[i1]);
+    for (int k = 0; k < NV; ++k) {
+      even[k] = vfma(w0, vload(V + i0 * dim + d0 + k * kWidth), even[k]);
+      odd[k] = vfma(w1, vload(V + i1 * dim + d0 + k * kWidth), odd[k]);
+    }
+  }
+  if (t < count) {
+    const int64_t i0 = slot(t);
+    const Vec w0 = vset1(r.p[i0]);
+    for (int k = 0; k < NV; ++k) even[k] = vfma(w0, vload(V + i0 * dim + d0 + k * kWidth), even[k]);
+  }
+  for (int k = 0; k < NV; ++k) vstore(r.out + d0 + k * kWidth, (even[k] + odd[k]) * vset1(r.inv));
 }
 
-// buf[j * Lp + i] = scale * q_j . K[i] for rows j < nr, slots i < L. Two running sums per dot
-// (even and odd vectors of the head), added at the end: every path here computes the same.
+// out [dim] of NR rows: the sum of p[i] V[i] over the slots i a row sees, divided by the sum of
+// its p (inverse_total, below).
+template <int NR>
+void weighted_sums(const RowWeights* rows, int64_t prefix, const float* V, int64_t dim) {
+  using namespace specserve;
+  const int64_t shared = prefix / 2 * 2;
+  int64_t d0 = 0;
+  for (; d0 + 4 * kWidth <= dim; d0 += 4 * kWidth) {
+    Sums<4> sums[NR];
+    shared_pass<NR, 4>(rows, shared, V, dim, d0, sums);
+    for (int j = 0; j < NR; ++j) row_pass<4>(rows[j], shared, prefix, V, dim, d0, sums[j]);
+  }
+  for (; d0 < dim; d0 += kWidth) {
+    Sums<1> sums[NR];
+    shared_pass<NR, 1>(rows, shared, V, dim, d0, sums);
+    for (int j = 0; j < NR; ++j) row_pass<1>(rows[j], shared, prefix, V, dim, d0, sums[j]);
+  }
+}
+
+// Rows whose V reads one pass shares: two where the vectors leave registers for both rows' sums
+// (AVX-512's 32), else one.
+constexpr int kPairRows = specserve::kWidth == 16 ? 2 : 1;
+
+// 1 / the sum of a row's weights over the slots it sees: the k-th seen slot adds into lane
+// k % kWidth of a running vector (the same for every row that sees the same slots, wherever its
+// tree starts), whose lanes are then summed.
+float inverse_total(const float* p, int64_t prefix, const std::vector<int64_t>& tree) {
+  using namespace specserve;
+  Vec total = vzero();
+  int64_t k = 0;
+  for (; k + kWidth <= prefix; k += kWidth) total = total + vload(p + k);
+  alignas(64) float rest[kWidth];  // the seen slots from k on, a whole vector at a time
+  int m = 0;
+  auto add = [&](float w) {
+    rest[m++] = w;
+    if (m == kWidth) {
+      total = total + vload(rest);
+      m = 0;
+    }
+  };
+  for (int64_t i = k; i < prefix; ++i) add(p[i]);
+  for (int64_t i : tree) add(p[i]);
+  if (m) {
+    for (int t = m; t < kWidth; ++t) rest[t] = 0.0f;
+    total = total + vload(rest);
+  }
+  return 1.0f / vsum(total, vzero());
+}
+
+// buf[j * Lp + i] = scale * q_j . K[i] for rows j < nr, slots i < L (and 0 up to the next whole
+// vector). Two running sums per dot (even and odd vectors of the head), added; then a whole
+// vector of slots at once has its lanes summed (vsums: the same tree of additions for every slot,
+// and a slot's lane is fixed by its index), so every path here computes the same.
 template <int NV>
 void scores(const float* q, int64_t ldq, int64_t nr, const float* K, int64_t L, float scale,
             float* buf, int64_t Lp) {
@@ -92,18 +175,27 @@ void scores(const float* q, int64_t ldq, int64_t nr, const float* K, int64_t L, 
   Vec qv[kRows][NV];  // the rows' queries stay in registers while the keys stream by
   for (int64_t j = 0; j < nr; ++j)
     for (int c = 0; c < NV; ++c) qv[j][c] = vload(q + j * ldq + c * kWidth);
-  for (int64_t i = 0; i < L; ++i) {
-    Vec kv[NV];
-    for (int c = 0; c < NV; ++c) kv[c] = vload(K + i * NV * kWidth + c * kWidth);
-    for (int64_t j = 0; j < kRows; ++j) {
-      if (j >= nr) break;
-      Vec a = vzero(), b = vzero();
-      for (int c = 0; c < NV; c += 2) {
-        a = vfma(qv[j][c], kv[c], a);
-        b = vfma(qv[j][c + 1], kv[c + 1], b);
+  Vec part[kRows][kWidth];  // per row, each slot's dot still spread over the lanes
+  for (int64_t i0 = 0; i0 < L; i0 += kWidth) {
+    const int64_t count = std::min<int64_t>(kWidth, L - i0);
+    for (int64_t k = 0; k < kWidth; ++k) {
+      if (k >= count) {
+        for (int64_t j = 0; j < nr; ++j) part[j][k] = vzero();
+        continue;
       }
-      buf[j * Lp + i] = vsum(a, b) * scale;
+      Vec kv[NV];
+      for (int c = 0; c < NV; ++c) kv[c] = vload(K + (i0 + k) * NV * kWidth + c * kWidth);
+      for (int64_t j = 0; j < kRows; ++j) {
+        if (j >= nr) break;
+        Vec a = vzero(), b = vzero();
+        for (int c = 0; c < NV; c += 2) {
+          a = vfma(qv[j][c], kv[c], a);
+          b = vfma(qv[j][c + 1], kv[c + 1], b);
+        }
+        part[j][k] = a + b;
+      }
     }
+    for (int64_t j = 0; j < nr; ++j) vstore(buf + j * Lp + i0, vsums(part[j]) * vset1(scale));
   }
 }
 
@@ -130,7 +222,7 @@ void scores_any(const float* q, int64_t ldq, int64_t nr, const float* K, int64_t
 // slot order: not on the block's other rows, nor on unseen slots between them.
 void attend_rows(const Seq& s, int64_t r0, int64_t r1, const float* q, int64_t ldq, const float* K,
                  const float* V, int64_t dim, float scale, std::vector<float>& buf,
-                 std::vector<int64_t>& seen, float* out, int64_t ldo) {
+                 std::vector<int64_t> (&tree)[kRows], float* out, int64_t ldo) {
   using namespace specserve;
   const int64_t nr = r1 - r0, L = s.start + r1, Lp = (L + kWidth - 1) / kWidth * kWidth;
   buf.resize(nr * Lp);
@@ -143,21 +235,26 @@ void attend_rows(const Seq& s, int64_t r0, int64_t r1, const float* q, int64_t l
     scores_any(q, ldq, nr, K, dim, L, scale, buf.data(), Lp);
   }
   const float neg_inf = -std::numeric_limits<float>::infinity();
+  RowWeights rows[kRows];
   for (int64_t j = 0; j < nr; ++j) {
     float* p = buf.data() + j * Lp;
     for (int64_t i = s.tree_start; i < Lp; ++i)  // every row sees the prefix
       if (i >= L || !sees(s, r0 + j, i)) p[i] = neg_inf;
-    float mx = neg_inf;
-    for (int64_t i = 0; i < Lp; ++i) mx = std::max(mx, p[i]);
-    for (int64_t i = 0; i < Lp; i += kWidth) {  // weights; unseen slots exactly 0
+    Vec top = vset1(neg_inf);
+    for (int64_t i = 0; i < Lp; i += kWidth) top = vmax(top, vload(p + i));
+    const float mx = vmax_lanes(top);
+    for (int64_t i = 0; i < Lp; i += kWidth) {  // weights; unseen slots exactly 0, seen ones not
       const Vec x = vload(p + i);
       vstore(p + i, x == vset1(neg_inf) ? vzero() : vexp(x - vset1(mx)));
     }
-    seen.clear();
-    for (int64_t i = 0; i < L; ++i)
-      if (p[i] != 0.0f) seen.push_back(i);
-    weighted_sum(p, seen, V, dim, out + j * ldo);
+    tree[j].clear();
+    for (int64_t i = s.tree_start; i < L; ++i)
+      if (p[i] != 0.0f) tree[j].push_back(i);
+    rows[j] = {p, &tree[j], inverse_total(p, s.tree_start, tree[j]), out + j * ldo};
   }
+  int64_t j = 0;
+  for (; j + kPairRows <= nr; j += kPairRows) weighted_sums<kPairRows>(rows + j, s.tree_start, V, dim);
+  for (; j < nr; ++j) weighted_sums<1>(rows + j, s.tree_start, V, dim);
 }
 
 // Copy rows offset..offset+n of x [N, kv_heads, dim] (row stride ld) into cache slots start...
@@ -234,14 +331,14 @@ void specserve::attend_(at::Tensor out, const at::Tensor& q, const at::Tensor& k
   const int64_t nblocks = static_cast<int64_t>(blocks.size()), units = nblocks * heads;
   at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
     std::vector<float> buf;
-    std::vector<int64_t> seen;
+    std::vector<int64_t> tree[kRows];
     for (int64_t u = u0; u < u1; ++u) {
       const auto [i, r0, r1] = blocks[u % nblocks];
       const Seq& s = seqs[i];
       const int64_t h = u / nblocks, g = h / group;
       const int64_t head_at = g * s.capacity * dim, row = s.offset + r0;
       attend_rows(s, r0, r1, qp + row * ldq + h * dim, ldq, s.k + head_at, s.v + head_at, dim,
-                  static_cast<float>(scale), buf, seen, op + (row * heads + h) * dim, heads * dim);
+                  static_cast<float>(scale), buf, tree, op + (row * heads + h) * dim, heads * dim);
     }
   });
 }
