@@ -85,6 +85,12 @@ def available() -> bool:
     return _LOADED
 
 
+def loaded() -> bool:
+    """Whether this process has loaded the kernels (never builds them: a caller that can do
+    without asks this, not `available`)."""
+    return _LOADED is True
+
+
 if __name__ == "__main__":  # `python -m services.common.cpu_kernels`: build now (make setup)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     print(library_path() if available() else "torch's own ops will serve")

@@ -19,6 +19,7 @@ at::Tensor q8matmul(const at::Tensor& x, const at::Tensor& tiles);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads, int64_t dim);
 at::Tensor silu_mul(const at::Tensor& gate_up);
+at::Tensor argmax_rows(const at::Tensor& x);
 
 // layers.cpp: x @ a weight of `kind` (qmatmul.py's KINDS, or kTiles: q8matmul's tiles), and a
 // native model's decoder layers over x [rows, hidden] (see there).

@@ -37,6 +37,8 @@ inline Vec vsums(const Vec* v) {
   return _mm512_permutexvar_ps(order, z);
 }
 inline Vec vmax(Vec a, Vec b) { return _mm512_max_ps(a, b); }
+inline bool vany_eq(Vec a, float b) { return _mm512_cmpeq_ps_mask(a, _mm512_set1_ps(b)) != 0; }
+inline bool vany_nan(Vec a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) != 0; }
 inline float vmax_lanes(Vec a) { return _mm512_reduce_max_ps(a); }
 #else
 using Vec = __m256;
@@ -66,6 +68,10 @@ inline Vec vsums(const Vec* v) {
   return _mm256_permutevar8x32_ps(z, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 inline Vec vmax(Vec a, Vec b) { return _mm256_max_ps(a, b); }
+inline bool vany_eq(Vec a, float b) {
+  return _mm256_movemask_ps(_mm256_cmp_ps(a, _mm256_set1_ps(b), _CMP_EQ_OQ)) != 0;
+}
+inline bool vany_nan(Vec a) { return _mm256_movemask_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)) != 0; }
 inline float vmax_lanes(Vec a) {
   __m128 v = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
   v = _mm_max_ps(v, _mm_movehl_ps(v, v));

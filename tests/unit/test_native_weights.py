@@ -155,6 +155,29 @@ def test_the_rowwise_kernels_match_torchs_norm_rope_and_silu():
     assert torch.equal(torch.ops.specserve_q.silu_mul(gate_up[1:2].contiguous()), y[1:2])
 
 
+@needs_kernel
+def test_the_argmax_kernel_answers_as_torch_does_ties_and_nan_included():
+    """Greedy verification's argmax (rowwise.cpp): the first index of the max, as torch.argmax."""
+    from services.verifier.rejection import argmax_rows
+
+    torch.manual_seed(0)
+    x = torch.randn(9, 49157)  # rows longer than, and not a multiple of, a vector
+    x[1, [7, 300, 49156]] = 9.0  # ties: the first wins
+    x[2, [49155, 49156]] = 9.0  # the max only in the tail past the last whole vector
+    x[3] = float("-inf")  # a row masked whole (a grammar with no legal token): index 0
+    x[4, 20:] = float("-inf")
+    x[5, [40, 900]] = float("nan")  # NaN: torch answers its first NaN
+    x[6, 4] = float("inf")
+    x[7] = 0.0
+    x[7, 33] = -0.0  # -0 equals 0: the first of the row
+    wide = torch.randn(3, 60000)[:, 5:49162]  # rows not contiguous with each other
+    for m in (x, wide, x[2:3]):
+        ref = m.argmax(-1)
+        assert torch.equal(torch.ops.specserve_q.argmax_rows(m), ref)
+        assert argmax_rows(m) == ref.tolist()
+    assert torch.ops.specserve_q.argmax_rows(x).tolist()[1:8] == [7, 49155, 0, int(x[4, :20].argmax()), 40, 4, 0]
+
+
 def test_without_a_compiler_quantized_weights_take_the_int4_route(tmp_path):
     """A machine that cannot build the kernel still serves natively, through torch's int4 op."""
     script = ("import torch; from services.common import cpu_kernels, gguf_blocks, quant\n"
