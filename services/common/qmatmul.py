@@ -2,11 +2,11 @@
 
 `BlockWeight` (any of Q4_0, Q4_1, Q8_0): each block is decoded to exactly the float32 weights of
 the dequantized model and multiplied into float32 accumulators, so the only difference from
-float32 weights is the order of a sum. `TileWeight` (Q4_0, Q4_1; the served route for them):
-the blocks repacked 16 outputs to a tile, multiplied by activations rounded to int8 per block of
-32 in exact integer sums, as llama.cpp does: 2 to 3 times faster (BENCHMARKS.md), at the
-accuracy tests/unit/test_native_weights.py bounds. Q8_0 takes tiles too (the default target's LM
-head): there a verify tree's rows cost little more than one row. torch's int4 route (`services.common.quant`)
+float32 weights is the order of a sum. `TileWeight` (Q4_0, Q4_1, Q8_0; the served route for
+them): the blocks repacked 16 outputs to a tile, multiplied by activations rounded to int8 per
+block of 32 in exact integer sums, as llama.cpp does: 2 to 3 times faster for 4-bit layers, and
+on the Q8_0 LM head a verify tree's rows cost little more than one (BENCHMARKS.md), at the
+accuracy tests/unit/test_native_weights.py bounds. torch's int4 route (`services.common.quant`)
 rounds activations to bfloat16. On each, a row's result does not depend on the other rows of the
 call (the kernels' comments say why). Built with the other CPU kernels
 (`services.common.cpu_kernels`).

@@ -1,9 +1,9 @@
 """Linear layers on a GGUF file's own quantized blocks: the route for a block, and torch's int4 one.
 
 `native_weight` takes the CPU kernels of `services.common.qmatmul` where they build on this
-machine: integer dot products on int8-rounded activations for 4-bit weights (`TileWeight`), the
-float32 block kernel for Q8_0 (`BlockWeight`); torch's int4 CPU matmul (below) where they do
-not. `SPECSERVE_NATIVE_MATMUL=float` keeps every weight on the float32 kernel, `int4` forces
+machine: integer dot products on int8-rounded activations (`TileWeight`: Q4_0, Q4_1 and Q8_0
+weights whose outputs come in sixteens), else the float32 block kernel (`BlockWeight`); torch's
+int4 CPU matmul (below) where they do not. `SPECSERVE_NATIVE_MATMUL=float` keeps every weight on the float32 kernel, `int4` forces
 torch's route (comparisons). All hold the weights at the file's size.
 
 torch's `_weight_int4pack_mm_for_cpu` computes x @ w.T with w = (q - 8) * scale + zero per group

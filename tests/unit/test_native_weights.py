@@ -4,9 +4,9 @@ and the sampling distribution).
 
 Bounds on the default target's logits (absolute; they reach about 30-40) against the float32
 dequantized model's, for 1 to 64 rows of one forward: the float block kernel (float32
-activations; the LM head's route, and the layers' with SPECSERVE_NATIVE_MATMUL=float) stays
-within BLOCK_KERNEL_BOUND, only the order of its sums differing; the routes that round
-activations stay within ROUNDED_BOUND: the served one for 4-bit layers (int8 activations per
+activations; every weight's with SPECSERVE_NATIVE_MATMUL=float) stays within BLOCK_KERNEL_BOUND,
+only the order of its sums differing; the routes that round activations stay within
+ROUNDED_BOUND: the served one for the 4-bit layers and the Q8_0 LM head (int8 activations per
 block of 32, integer dot products) and torch's int4 route (bfloat16 activations, scales and
 products; the fallback).
 """
