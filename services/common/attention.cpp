@@ -253,7 +253,8 @@ void attend_rows(const Seq& s, int64_t r0, int64_t r1, const float* q, int64_t l
     rows[j] = {p, &tree[j], inverse_total(p, s.tree_start, tree[j]), out + j * ldo};
   }
   int64_t j = 0;
-  for (; j + kPairRows <= nr; j += kPairRows) weighted_sums<kPairRows>(rows + j, s.tree_start, V, dim);
+  for (; j + kPairRows <= nr; j += kPairRows)
+    weighted_sums<kPairRows>(rows + j, s.tree_start, V, dim);
   for (; j < nr; ++j) weighted_sums<1>(rows + j, s.tree_start, V, dim);
 }
 

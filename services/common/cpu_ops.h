@@ -12,7 +12,8 @@ namespace specserve {
 // qmatmul.cpp: x [rows, in] float32 @ the GGUF blocks raw [out, bytes] of `kind` -> [rows, out].
 at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& raw, int64_t kind);
 
-// q8matmul.cpp: x [rows, in] float32 @ 4-bit or Q8_0 weights packed in tiles of 16 outputs -> [rows, out].
+// q8matmul.cpp: x [rows, in] float32 @ 4-bit or Q8_0 weights packed in tiles of 16 outputs
+// -> [rows, out].
 at::Tensor q8matmul(const at::Tensor& x, const at::Tensor& tiles);
 
 // rowwise.cpp

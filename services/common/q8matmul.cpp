@@ -1,7 +1,7 @@
-// x @ w.T on 4-bit and 8-bit blocks with integer dot products, as llama.cpp multiplies them: each row of x
-// is rounded to int8 per block of 32 values (one float scale per block), and every weight block
-// meets it in 32-bit integer sums (AVX-512 VNNI where the CPU has it, else pairs of multiply-add
-// instructions), scaled into float32 once per block.
+// x @ w.T on 4-bit and 8-bit blocks with integer dot products, as llama.cpp multiplies them: each
+// row of x is rounded to int8 per block of 32 values (one float scale per block), and every weight
+// block meets it in 32-bit integer sums (AVX-512 VNNI where the CPU has it, else pairs of
+// multiply-add instructions), scaled into float32 once per block.
 //
 // The weights are repacked at load (services/common/qmatmul.py, `pack_tiles`) into tiles of 16
 // outputs, so that a vector's lanes are 16 outputs and not 16 inputs: one tile-block holds, for
@@ -9,11 +9,11 @@
 // the high nibbles hold q[o][16+4t..16+4t+3]), then the 16 scales d and the 16 offsets m as
 // float16: 320 bytes, the size of the file's 16 blocks. A weight is q * d + m (Q4_0 packs with
 // m = -8 d). So a row's 4 activations broadcast to every lane, and the sums need no horizontal
-// reduction at the end. Q8_0 tiles hold, for t = 0..7, the 16 outputs' 4-byte groups q[o][4t..4t+3]
-// (signed) and then their 16 scales d: 544 bytes, again the size of the file's 16 blocks. The
-// product units multiply unsigned by signed bytes: with VNNI a weight enters as q + 128 and the
-// row's 128 * sum(x) comes off the integer sum; else as |q| against x carrying q's sign (a pair of
-// products stays within int16, where (q + 128) * x would not).
+// reduction at the end. Q8_0 tiles hold, for t = 0..7, the 16 outputs' 4-byte groups
+// q[o][4t..4t+3] (signed) and then their 16 scales d: 544 bytes, again the size of the file's 16
+// blocks. The product units multiply unsigned by signed bytes: with VNNI a weight enters as
+// q + 128 and the row's 128 * sum(x) comes off the integer sum; else as |q| against x carrying q's
+// sign (a pair of products stays within int16, where (q + 128) * x would not).
 //
 // The integer sums are exact, and each (row, output) then runs the same float instructions in
 // block order whatever the row count or tile: a row's outputs do not depend on the other rows of
@@ -114,7 +114,8 @@ constexpr bool kVnni = false;
 #endif
 inline IVec iflip(IVec v) { return _mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80))); }
 inline IVec iabs(IVec v) { return _mm256_abs_epi8(v); }
-inline IVec isign(IVec x, IVec w) { return _mm256_sign_epi8(x, w); }  // x with the sign of w per byte
+// x negated where w < 0, 0 where w is 0
+inline IVec isign(IVec x, IVec w) { return _mm256_sign_epi8(x, w); }
 inline IVec isub(IVec a, IVec b) { return _mm256_sub_epi32(a, b); }
 inline IVec iset1(int32_t v) { return _mm256_set1_epi32(v); }
 inline FVec hload(const uint8_t* p) {
@@ -130,9 +131,10 @@ constexpr int kMaxRows = 4;
 #endif
 constexpr int kParts = kTile / kLanes;  // vectors per tile row: 1 (AVX-512) or 2 (AVX2)
 
-// x as int8 blocks, per block its scale d, d * sum(q) (for m's term) and sum(q) (exact in a float). Block-major, the rows'
-// blocks b side by side: one pointer and a constant offset reach every row of a pass (with a
-// pointer per row, 8 rows ran out of registers and took 1.5x the time of 7).
+// x as int8 blocks, per block its scale d, d * sum(q) (for m's term) and sum(q) (exact in a
+// float). Block-major, the rows' blocks b side by side: one pointer and a constant offset reach
+// every row of a pass (with a pointer per row, 8 rows ran out of registers and took 1.5x the time
+// of 7).
 constexpr int kScales = 3;
 struct Rows {
   const int8_t* q;      // [blocks, stride, 32], at this pass's first row
@@ -273,7 +275,8 @@ at::Tensor specserve::q8matmul(const at::Tensor& x, const at::Tensor& tiles) {
     for (int64_t r = 0; r < rows; r += kRowSlab) {
       const int64_t slab = std::min(kRowSlab, rows - r);
       for (int64_t s = 0; s < slab; s += kMaxRows) {
-        const Rows part{q.data() + (r + s) * kBlock, scales.data() + (r + s) * kScales, rows, blocks};
+        const Rows part{q.data() + (r + s) * kBlock, scales.data() + (r + s) * kScales, rows,
+                        blocks};
         const int64_t nr = std::min<int64_t>(kMaxRows, slab - s);
         if (q8)
           rows_pass<true>(part, nr, wp, ldt, yp + (r + s) * n, n, t0, t1);

@@ -62,7 +62,8 @@ inline Vec vsums(const Vec* v) {
     w[m] = _mm256_permute2f128_ps(v[2 * m], v[2 * m + 1], 0x20) +
            _mm256_permute2f128_ps(v[2 * m], v[2 * m + 1], 0x31);
   for (int m = 0; m < 2; ++m)  // half h: two partial sums of slots 4m + h and 4m + h + 2
-    y[m] = _mm256_shuffle_ps(w[2 * m], w[2 * m + 1], 0x44) + _mm256_shuffle_ps(w[2 * m], w[2 * m + 1], 0xEE);
+    y[m] = _mm256_shuffle_ps(w[2 * m], w[2 * m + 1], 0x44) +
+           _mm256_shuffle_ps(w[2 * m], w[2 * m + 1], 0xEE);
   // half h, place p: slot h + 2p; back to slot order
   const Vec z = _mm256_shuffle_ps(y[0], y[1], 0x88) + _mm256_shuffle_ps(y[0], y[1], 0xDD);
   return _mm256_permutevar8x32_ps(z, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
