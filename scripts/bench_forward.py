@@ -1,8 +1,8 @@
 """Benchmark: the verify cost curve, one target forward of n rows after a cached prompt.
 
 For the default target (or --target) as served (native GGUF weights: 4-bit layers on the tile
-kernel's integer dot products, q8matmul.cpp; for chunks of up to 8 rows the whole decoder stack
-in one call, layers.cpp, with attention.cpp), the same on the float32 block kernel
+kernel's integer dot products, q8matmul.cpp; the whole decoder stack in one call, layers.cpp,
+with attention.cpp), the same on the float32 block kernel
 (SPECSERVE_NATIVE_MATMUL=float, as served before the tile kernel), the served model with its Q8_0
 LM head on the float block kernel (as served before that took tiles too), the served model op by op
 from Python, on torch's int4 route (the fallback: bfloat16 activations, float64 attention) and

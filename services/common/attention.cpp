@@ -1,7 +1,8 @@
-// Attention of a step's few new rows (decode tokens, draft trees) over each sequence's KV cache,
-// on CPU, in one call per layer: the new keys and values are written into the caches, then every
-// (row, head) attends to the slots it sees. For a few rows torch's fused kernel spends more in its
-// setup than in the arithmetic; a long prompt chunk still goes to torch (a GEMM serves it better).
+// Attention of a step's new rows (decode tokens, draft trees, prompt chunks) over each sequence's
+// KV cache, on CPU, in one call per layer: the new keys and values are written into the caches,
+// then every (row, head) attends to the slots it sees. Torch's fused kernel spends more in its
+// setup than in the arithmetic for a few rows, is no faster for a long prompt, and blocks a
+// prompt's rows by the chunk's shape (other bits for a chunked or a prefix-shared prompt).
 //
 // Each (row, head) walks its visible slots in slot order with the same instructions, so its result
 // depends only on those keys and values: a tree node on the accepted path gets bitwise the output

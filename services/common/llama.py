@@ -132,10 +132,9 @@ class LlamaModel:
         # float32 results agree bitwise, so plain decoding and verification see the same logits.
         rounds = any(isinstance(w.native, Int4Weight) for w in self.linear_weights())
         self.attention_dtype = torch.float64 if rounds else dtype
-        # On the CPU kernels' matmuls, the norms, RoPE, silu * up and the attention of the rows
-        # that yield tokens also take their one-call versions, and a forward without prompt rows
-        # runs the whole stack in one call (layers.cpp); a float32 model keeps torch's ops: its
-        # greedy output is compared with transformers'.
+        # On the CPU kernels' matmuls, the norms, RoPE, silu * up and attention also take their
+        # one-call versions, and a forward runs the whole stack in one call (layers.cpp); a
+        # float32 model keeps torch's ops: its greedy output is compared with transformers'.
         self.rowwise = any(isinstance(w.native, (BlockWeight, TileWeight)) for w in self.linear_weights())
         self.attend_cpu = self.rowwise and dtype == torch.float32 and c.head_dim % 32 == 0
         self.silu_mul = self.rowwise and c.intermediate_size % 16 == 0
@@ -242,7 +241,7 @@ class LlamaModel:
         c = self.config
         group, d = c.num_heads // c.num_kv_heads, c.head_dim
         torch_parts = [(ch, p) for ch, p in parts if p.visible is None]
-        for ch, (off, n, start, *_) in torch_parts:  # before attend_ reads them (a chunk's tree)
+        for ch, (off, n, start, *_) in torch_parts:  # torch's kernel reads them from the caches
             ch.cache.k[li][:, start : start + n] = k[off : off + n].transpose(0, 1)
             ch.cache.v[li][:, start : start + n] = v[off : off + n].transpose(0, 1)
         if kernel_parents is not None:  # one CUDA launch for every request of the batch
@@ -293,28 +292,24 @@ class LlamaModel:
                 captured.append(x)
         return x, captured
 
-    def _plans(self, ch: Chunk, offset: int, start: int, tree_start: int, group: int) -> list[Plan]:
-        """How the chunk's rows attend. On the CPU kernels, its rows from logits_from on (the rows
-        that yield tokens) take attention.cpp, whatever their count, and its rows before (a
-        prompt's) torch's kernel: so a row that yields a token gets the same bits in a decode
-        step, a draft tree or after a prompt. Elsewhere every row takes torch's kernel."""
+    def _plan(self, ch: Chunk, offset: int, start: int, tree_start: int, group: int) -> Plan:
+        """How the chunk's rows attend. On the CPU kernels every row takes attention.cpp, where a
+        row's bits depend only on the slots it sees: so a position's keys, values and logits are
+        the same whether it is decoded alone, verified in a draft tree, or prefilled with its
+        prompt whole, in chunks (chunked prefill) or after a prefix copied from another request
+        (torch's kernel, blocked by the chunk's shape, gave prompts other bits in each case).
+        Elsewhere every row takes torch's kernel."""
         n, m = len(ch.tokens), len(ch.parents)
-        split = min(ch.logits_from, n) if self.attend_cpu else n
-        plans = []
-        if split:  # [group * split, start + split] bool; rows ordered (head in group, token)
-            mask = None
-            tree = ancestor_mask(ch.parents)[m - n : m - n + split, : m - n + split]
-            if m > 1 and (split > 1 or not bool(tree.all())):
-                prefix = torch.ones(split, tree_start, dtype=torch.bool)
-                mask = torch.cat([prefix, tree], 1).repeat(group, 1).to(self.device)
-            plans.append(Plan(offset, split, start, tree_start, mask, None))
-        if split < n:  # [n - split, m] tree slots each row sees (NO_MASK: causal)
-            if tree_start == start and all(p == i - 1 for i, p in enumerate(ch.parents)):
-                visible, tree_start = NO_MASK, start + split
-            else:
-                visible = ancestor_mask(ch.parents)[m - n + split :].contiguous()
-            plans.append(Plan(offset + split, n - split, start + split, tree_start, None, visible))
-        return plans
+        if self.attend_cpu:  # [n, m] tree slots each row sees (NO_MASK: causal)
+            causal = tree_start == start and all(p == i - 1 for i, p in enumerate(ch.parents))
+            visible = NO_MASK if causal else ancestor_mask(ch.parents)[m - n :].contiguous()
+            return Plan(offset, n, start, tree_start, None, visible)
+        mask = None  # [group * n, start + n] bool; rows ordered (head in group, token)
+        tree = ancestor_mask(ch.parents)[m - n :]
+        if m > 1 and (n > 1 or not bool(tree.all())):
+            prefix = torch.ones(n, tree_start, dtype=torch.bool)
+            mask = torch.cat([prefix, tree], 1).repeat(group, 1).to(self.device)
+        return Plan(offset, n, start, tree_start, mask, None)
 
     def forward(self, chunks: list[Chunk]) -> list[torch.Tensor]:
         """Run the new tokens of every chunk; returns per chunk logits [rows, vocab] (float32)."""
@@ -342,7 +337,7 @@ class LlamaModel:
             ch.cache.reserve(start + n)
             tokens.extend(ch.tokens)
             positions.extend(tree_start + d for d in depths)
-            parts.extend((ch, plan) for plan in self._plans(ch, offset, start, tree_start, group))
+            parts.append((ch, self._plan(ch, offset, start, tree_start, group)))
             logit_rows.extend(range(offset + ch.logits_from, offset + n))
             offset += n
 
@@ -355,14 +350,14 @@ class LlamaModel:
                                                    for _, p in parts):
             kernel_parents = torch.tensor([p for ch in chunks for p in ch.parents],
                                           dtype=torch.int32, device=self.device)
-        if self.stack is not None and all(p.visible is not None for _, p in parts):
+        if self.stack is not None:  # every part on attention.cpp (_plan)
             x, *captured = torch.ops.specserve_q.layers(
                 x, cos, sin, *self.stack, [ch.cache.k for ch, _ in parts], [ch.cache.v for ch, _ in parts],
                 *zip(*[(p.offset, p.n, p.start, p.tree_start, p.visible) for _, p in parts]),
                 c.num_heads, c.num_kv_heads, c.rms_norm_eps, sorted(set(layers)))
         else:
             x, captured = self._layers(x, cos, sin, parts, kernel_parents, layers)
-        for ch, plan in parts:  # a chunk's last part ends it
+        for ch, plan in parts:
             ch.cache.length = plan.start + plan.n
         if logit_rows:
             rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)

@@ -226,8 +226,9 @@ def _prefixed(model, ids, chunk_tokens, parents, states=()):
 
 
 def test_the_native_stack_in_one_call_gives_the_op_by_op_forwards_bits(default_native):
-    """layers.cpp runs the decoder stack of a native model for few rows; the Python loop over the
-    same kernels (prompts, wide trees) must give the same bits: the KV, logits and states."""
+    """layers.cpp runs the decoder stack of a native model in one call; the Python loop over the
+    same kernels (a model the stack does not take: biases, q/k norms) must give the same bits:
+    the KV, logits and states."""
     model = default_native.model
     assert model.stack is not None  # the served default target takes the one-call path
     ids = default_native.tokenizer("The quick brown fox jumps over the lazy dog. " * 4)["input_ids"]
@@ -254,6 +255,29 @@ def test_a_tree_node_gets_plain_decodings_logits_bitwise(default_native):
     for node in (1, 3):  # one decode step each, along the path
         plain = model.forward([Chunk(cache, [tree_tokens[node]], [-1], 0)])[0]
         assert torch.equal(plain[0], tree_logits[node]), node
+
+
+def test_a_prompt_gets_the_same_bits_whole_in_chunks_or_after_a_shared_prefix(default_native):
+    """Chunked prefill and a prefix copied from another request's cache (Sequence.share_prefix)
+    must leave a prompt's keys, values and next-token logits as whole prefill makes them; else
+    greedy output depends on what else the batch held (torch's attention kernel, blocked by the
+    chunk's shape, gave a prompt other bits each way)."""
+    model = default_native.model
+    ids = default_native.tokenizer("A river runs through the old town, past the mill and the church. " * 4)["input_ids"][:60]
+
+    def prefill(cache, sizes):
+        logits = None
+        for n in sizes:
+            at = cache.length
+            ends = at + n == len(ids)
+            logits = model.forward([Chunk(cache, ids[at : at + n], list(range(-1, n - 1)), n - 1 if ends else n)])[0]
+        return cache, logits
+
+    whole, expected = prefill(model.new_cache(64), [60])
+    donor, _ = prefill(model.new_cache(64), [40])  # another request holding the first 40 tokens
+    for cache, logits in (prefill(model.new_cache(64), [7, 25, 28]), prefill(donor.fork(40, 64), [20])):
+        assert torch.equal(logits, expected)
+        assert torch.equal(cache.k[:, :, :60], whole.k[:, :, :60]) and torch.equal(cache.v[:, :, :60], whole.v[:, :, :60])
 
 
 def test_native_weights_hold_a_tenth_of_float32(default_native, default_model):
