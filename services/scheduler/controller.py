@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from services.common.tree import DraftTree
 from services.scheduler.acceptance import Acceptance, NodeCalibration, RequestScale
-from services.scheduler.latency import LatencyModel, StepShape
+from services.scheduler.latency import LatencyModel, StepShape, row_context
 from services.scheduler.policy import DEFAULT_MAX_DRAFT_LENGTH, Candidate, Plan, expected_tokens, plan
 from services.scheduler.trim import trim, trimmable
 
@@ -110,9 +110,10 @@ class DraftController:
             d.pop(req_id, None)
 
     # -- choosing -------------------------------------------------------------------------------
-    def choose(self, caps: dict[str, int]) -> dict[str, Decision]:
+    def choose(self, caps: dict[str, int], contexts: dict[str, int] | None = None) -> dict[str, Decision]:
         """Draft length and tree budget per request, given each one's cap on k this step (what
-        the request may still emit, the draft's context room)."""
+        the request may still emit, the draft's context room) and the tokens it holds (default 0)."""
+        contexts = contexts or {}
         for rid in caps:
             if rid not in self.accept:
                 self.add(rid)
@@ -121,7 +122,8 @@ class DraftController:
         if due or any(rid not in self.current for rid in caps):
             cfg = self.config
             cands = [Candidate(rid, self.accept[rid].rates(), max_k=min(cap, cfg.max_draft_length),
-                               min_k=cfg.min_draft_length, width=cfg.tree_width, trimmed=self.trimmed.get(rid, False))
+                               min_k=cfg.min_draft_length, width=cfg.tree_width, trimmed=self.trimmed.get(rid, False),
+                               context=contexts.get(rid, 0))
                      for rid, cap in caps.items()]
             self.last_plan = plan(cands, self.latency)
             for rid, k in self.last_plan.k.items():
@@ -142,21 +144,28 @@ class DraftController:
         return out
 
     def trim(self, rids: list[str], trees: list[DraftTree], greedy: list[bool], spent_ms: float, batch: int,
-             adaptive: list[bool] | None = None) -> tuple[list[DraftTree], list[list[float] | None]]:
+             adaptive: list[bool] | None = None, contexts: list[int] | None = None, others_context: float = 0.0
+             ) -> tuple[list[DraftTree], list[list[float] | None]]:
         """The step's proposed trees, those of adaptive requests (default: all) that may be
         trimmed without bias (`trimmable`) cut to the nodes worth verifying (see trim.py); and
         the confidences of the trimmed trees' nodes for `observe_nodes` (None for a tree left as
-        proposed). The planner then counts only drafting as the price of a trimmed request's depth."""
+        proposed). `contexts`: the tokens each tree's request holds (default 0); `others_context`:
+        the context term (StepShape.context) of the batch's requests without a tree. The planner
+        then counts only drafting as the price of a trimmed request's depth."""
         adaptive = adaptive or [True] * len(trees)
+        contexts = contexts or [0] * len(trees)
         which = [i for i, (t, g, a) in enumerate(zip(trees, greedy, adaptive)) if a and len(t) and trimmable(t, g)]
         for i, (rid, a) in enumerate(zip(rids, adaptive)):
             if a and len(trees[i]) and rid in self.accept:
                 self.trimmed[rid] = i in which
         chosen = set(which)
         fixed = sum(len(t) for i, t in enumerate(trees) if i not in chosen)
+        fixed_context = others_context + sum(row_context(1 + len(t), contexts[i]) for i, t in enumerate(trees)
+                                             if i not in chosen)
         scales = [self.scales[rids[i]].value if rids[i] in self.scales else 1.0 for i in which]
         kept, confs = trim([trees[i] for i in which], self.calibration, self.latency, spent_ms, batch, fixed,
-                           min_depth=self.config.min_draft_length, scales=scales)
+                           min_depth=self.config.min_draft_length, scales=scales,
+                           contexts=[contexts[i] for i in which], fixed_context=fixed_context)
         out, out_confs = list(trees), [None] * len(trees)
         for i, tree, conf in zip(which, kept, confs):
             out[i], out_confs[i] = tree, conf

@@ -27,7 +27,7 @@ from services.scheduler.admission import DEFAULT_KV_BUDGET_TOKENS, DEFAULT_MAX_W
 from services.scheduler.budget import DEFAULT_TARGET_ITL_MS, StepBudget
 from services.scheduler.calibration import WarmUp, warm_up
 from services.scheduler.controller import ControllerConfig, DraftController
-from services.scheduler.latency import StepShape
+from services.scheduler.latency import StepShape, row_context
 from services.scheduler.observers import Outcome, PriorsObserver, StepObserver, StepReport
 from services.scheduler.policy import DEFAULT_MAX_DRAFT_LENGTH
 from services.scheduler.prefill import Prefill
@@ -197,7 +197,7 @@ class StepCore:
             return None
         cc = self.controller.config
         return await warm_up(self.controller.latency, self.verifiers, self.drafts, self.target.vocab_size, pair,
-                             cc.max_draft_length, cc.tree_width)
+                             cc.max_draft_length, cc.tree_width, self.target.max_positions)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -222,6 +222,7 @@ class StepCore:
         confs = self._trim(decoding, trees, time.perf_counter() - t0)
         self.prefill.fit_trees(decoding, bool(prompts), trees, confs)
         chunks = self.prefill.chunks(decoding, prompts, trees, (time.perf_counter() - t0) * 1e3)
+        context = sum(row_context(1 + len(trees.get(r.req_id, ())), len(r.tokens)) for r in decoding)
         t1 = time.perf_counter()
         # A request cancelled while the draft worked is not verified: its release is on its way.
         layers = self.drafts.feature_layers if self.drafts is not None else ()
@@ -240,7 +241,7 @@ class StepCore:
             self.prefill.observe(report.verify_ms, decoding, trees, verified.fresh)
         if self.controller is not None and report.outcomes:
             shape = StepShape(len(decoding), drafted, proposed[0], proposed[1],
-                              verified=sum(len(t) for t in trees.values()))
+                              verified=sum(len(t) for t in trees.values()), context=context)
             outcomes = {o.req.req_id: (o.draft_length, o.depth, o.accepted, o.output) for o in report.outcomes}
             self.controller.observe(shape, report.draft_ms, report.verify_ms, outcomes,
                                     prefill=bool(verified.fresh or fresh or chunks))
@@ -286,7 +287,7 @@ class StepCore:
                 out[r.req_id] = r.draft_budget(k)
         decisions = []
         if caps:
-            for rid, d in self.controller.choose(caps).items():
+            for rid, d in self.controller.choose(caps, {r.req_id: len(r.tokens) for r in batch}).items():
                 out[rid] = (d.k, min(d.tree_size, MAX_TREE_NODES))
                 decisions.append(out[rid])
         return out, decisions
@@ -317,8 +318,10 @@ class StepCore:
         if self.controller is None or not any(r.fixed_k is None for r in reqs):
             return {}
         rids = [r.req_id for r in reqs]
+        others = sum(row_context(1, len(r.tokens)) for r in batch if not len(trees.get(r.req_id, ())))
         kept, confs = self.controller.trim(rids, [trees[rid] for rid in rids], [r.params.greedy for r in reqs],
-                                           spent_s * 1e3, len(batch), [r.fixed_k is None for r in reqs])
+                                           spent_s * 1e3, len(batch), [r.fixed_k is None for r in reqs],
+                                           [len(r.tokens) for r in reqs], others)
         trees.update(zip(rids, kept))
         return {rid: conf for rid, conf in zip(rids, confs) if conf is not None}
 

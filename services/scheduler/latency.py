@@ -3,9 +3,10 @@
 
 `LatencyModel` predicts one step's draft and verify latency as linear functions of the step's
 shape (batch size, tree nodes, draft depth, whether the verify forward has more than the
-verifier's `route_rows` rows, and the measured `RowCurve`), fitted by exponentially weighted least
-squares (`LinearFit`) that starts from warm-up measurements (calibration.py) and follows the
-telemetry of every step. The planner (policy.py) and the trim (trim.py) price drafts with it.
+verifier's `route_rows` rows, the measured `RowCurve`, and the tokens the rows attend to),
+fitted by exponentially weighted least squares (`LinearFit`) that starts from warm-up
+measurements (calibration.py) and follows the telemetry of every step. The planner (policy.py)
+and the trim (trim.py) price drafts with it.
 """
 
 from __future__ import annotations
@@ -25,6 +26,12 @@ from dataclasses import dataclass
 # verify ms 17.1 at 1 row, ~18.6 at 2-6, ~21-23 at 7-12, ~25 at 13-17, 2026-12-01). The warm-up
 # measures that shape (`RowCurve`, batch 1, every tree size up to calibration.EVERY_SIZE_UP_TO) and the fit
 # weighs it as one more feature, so trimming sees which nodes are nearly free.
+#
+# Each row also attends to every slot its request holds: on the CPU kernels a 5-row verify costs
+# about 1.7 ms more than one row after 50 cached tokens and 2.5 ms more after 1000 (BENCHMARKS.md).
+# The last feature is the step's attention work, sum over requests of rows x cached tokens (in
+# thousands), so a long request's nodes are priced dearer than a short one's.
+CONTEXT_UNIT = 1000.0
 
 
 class RowCurve:
@@ -59,7 +66,8 @@ class RowCurve:
 @dataclass(frozen=True)
 class StepShape:
     """What a step costs is a function of: requests verified, requests drafting, draft nodes in
-    all trees, and the deepest tree (a draft model runs one forward per level)."""
+    all trees, the deepest tree (a draft model runs one forward per level), and the tokens the
+    verified rows attend to."""
 
     batch: int
     drafting: int
@@ -69,26 +77,35 @@ class StepShape:
 
     # True: charge the route step whatever the rows (the planner's Dinkelbach search, see plan)
     large: bool = False
+    # sum over requests of (1 + verified nodes) x tokens held before the step, / CONTEXT_UNIT
+    context: float = 0.0
 
     @property
     def verified_nodes(self) -> int:
         return self.nodes if self.verified is None else self.verified
 
     def verify_features(self, route_rows: int, curve: RowCurve | None = None) -> tuple[float, ...]:
-        return verify_features(self.batch, self.verified_nodes, route_rows, curve, self.large)
+        return verify_features(self.batch, self.verified_nodes, route_rows, curve, self.large, self.context)
 
     def draft_features(self) -> tuple[float, ...]:
         return draft_features(self.drafting, self.nodes, self.depth)
 
 
 def verify_features(batch: int, verified: int, route_rows: int, curve: RowCurve | None = None,
-                    large: bool = False) -> tuple[float, ...]:
-    """[1, batch, verified nodes, past the route step?, the row curve at batch + nodes] for a
-    verifier whose matmul changes route past `route_rows` rows (0: never; `large`: charge the step
-    whatever the rows); the last is 0 without a measured curve."""
+                    large: bool = False, context: float = 0.0) -> tuple[float, ...]:
+    """[1, batch, verified nodes, past the route step?, the row curve at batch + nodes, context]
+    for a verifier whose matmul changes route past `route_rows` rows (0: never; `large`: charge the
+    step whatever the rows); the curve's term is 0 without a measured curve; `context` is
+    StepShape.context."""
     rows = batch + verified
     past = route_rows > 0 and (large or rows > route_rows)
-    return (1.0, float(batch), float(verified), 1.0 if past else 0.0, curve(rows) if curve is not None else 0.0)
+    return (1.0, float(batch), float(verified), 1.0 if past else 0.0, curve(rows) if curve is not None else 0.0,
+            float(context))
+
+
+def row_context(rows: int, tokens: int) -> float:
+    """StepShape.context's share of one request: `rows` rows over its `tokens` cached tokens."""
+    return rows * tokens / CONTEXT_UNIT
 
 
 def draft_features(drafting: int, nodes: int, depth: int) -> tuple[float, ...]:
@@ -173,13 +190,14 @@ class LinearFit:
 
 
 class LatencyModel:
-    """Predicted step latency in ms: verify(batch, nodes, route step, row curve) + draft(drafting,
-    nodes, depth). `verify_prior` may leave out the last weights (route step 0, row curve 1);
-    `route_rows` is the verifier's (0: no route step); `set_curve` adds the measured row curve."""
+    """Predicted step latency in ms: verify(batch, nodes, route step, row curve, context) +
+    draft(drafting, nodes, depth). `verify_prior` may leave out the last weights (route step 0,
+    row curve 1, context 0); `route_rows` is the verifier's (0: no route step); `set_curve` adds
+    the measured row curve."""
 
     def __init__(self, verify_prior: tuple[float, ...] = (30.0, 2.0, 2.0, 0.0),
                  draft_prior: tuple[float, ...] = (2.0, 0.5, 0.5, 1.0), route_rows: int = 0):
-        unset = (0.0, 0.0, 0.0, 0.0, 1.0)  # weights of [1, batch, nodes, route step, row curve]
+        unset = (0.0, 0.0, 0.0, 0.0, 1.0, 0.0)  # weights of [1, batch, nodes, route step, row curve, context]
         self.verify = LinearFit(tuple(verify_prior) + unset[len(verify_prior):])
         self.draft = LinearFit(draft_prior)
         self.route_rows = route_rows
@@ -200,20 +218,25 @@ class LatencyModel:
         self.draft.load_state(state["draft"])
         self.curve = None if state["curve"] is None else RowCurve({int(r): float(ms) for r, ms in state["curve"]})
 
-    def verify_ms(self, batch: int, nodes: int) -> float:
-        return self.verify.predict(StepShape(batch, 0, nodes, 0).verify_features(self.route_rows, self.curve))
+    def verify_ms(self, batch: int, nodes: int, context: float = 0.0) -> float:
+        return self.verify.predict(verify_features(batch, nodes, self.route_rows, self.curve, context=context))
 
-    def verify_ms_from(self, batch: int, nodes: int, count: int) -> list[float]:
-        """[verify_ms(batch, n) for n = nodes .. nodes + count - 1] without a StepShape each: the
-        trim prices every prefix of a batch's nodes each step."""
-        return [self.verify.predict(verify_features(batch, n, self.route_rows, self.curve))
+    def verify_ms_from(self, batch: int, nodes: int, count: int, context: float = 0.0) -> list[float]:
+        """[verify_ms(batch, n, context) for n = nodes .. nodes + count - 1] without a StepShape
+        each: the trim prices every prefix of a batch's nodes each step (adding each node's own
+        context_ms)."""
+        return [self.verify.predict(verify_features(batch, n, self.route_rows, self.curve, context=context))
                 for n in range(nodes, nodes + count)]
 
-    def node_ms(self) -> float:
-        """Verify ms per node, with the row curve taken at its average slope (the planner's
-        linear view of it)."""
+    def context_ms(self, tokens: int) -> float:
+        """What one more row over `tokens` cached tokens adds through the context term."""
+        return self.verify.weights[5] * row_context(1, tokens)
+
+    def node_ms(self, tokens: int = 0) -> float:
+        """Verify ms per node of a request holding `tokens` tokens, with the row curve taken at
+        its average slope (the planner's linear view of it)."""
         w = self.verify.weights
-        return w[2] + (w[4] * self.curve.slope if self.curve is not None else 0.0)
+        return w[2] + (w[4] * self.curve.slope if self.curve is not None else 0.0) + self.context_ms(tokens)
 
     def observe_verify(self, shape: StepShape, verify_ms: float) -> None:
         self.verify.observe(shape.verify_features(self.route_rows, self.curve), verify_ms)
@@ -227,12 +250,14 @@ class LatencyModel:
         return self._ms(shape.verify_features(self.route_rows, self.curve),
                         shape.draft_features() if shape.drafting else None)
 
-    def single_ms(self, max_k: int, width: int = 1, verified_per_level: int | None = None) -> list[float]:
-        """[step_ms of one request alone drafting k deep for k = 0..max_k]: k * width nodes, of
-        which k * verified_per_level are verified (default: all). The planner prices every k of a
-        lone request each step; this skips building a StepShape per k."""
+    def single_ms(self, max_k: int, width: int = 1, verified_per_level: int | None = None,
+                  tokens: int = 0) -> list[float]:
+        """[step_ms of one request holding `tokens` tokens alone, drafting k deep, for k =
+        0..max_k]: k * width nodes, of which k * verified_per_level are verified (default: all).
+        The planner prices every k of a lone request each step; this skips a StepShape per k."""
         per_level = width if verified_per_level is None else verified_per_level
-        return [self._ms(verify_features(1, k * per_level, self.route_rows, self.curve),
+        return [self._ms(verify_features(1, k * per_level, self.route_rows, self.curve,
+                                         context=row_context(1 + k * per_level, tokens)),
                          draft_features(1, k * width, k) if k else None) for k in range(max_k + 1)]
 
     def _ms(self, verify_x: tuple[float, ...], draft_x: tuple[float, ...] | None) -> float:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field, replace
 
-from services.scheduler.latency import LatencyModel, StepShape
+from services.scheduler.latency import LatencyModel, StepShape, row_context
 
 
 # The deepest draft adaptive may choose unless told (--max-draft-length): trimming cuts a weak match
@@ -61,6 +61,7 @@ class Candidate:
     # Its tree is trimmed once proposed (trim.py): only nodes that pay for their verification are
     # verified, so proposing deeper costs drafting only.
     trimmed: bool = False
+    context: int = 0  # tokens it holds (each of its rows attends to them: LatencyModel's context term)
     gains: list[float] = field(init=False, repr=False)  # gains[k] = E(k) for k = 0..max_k
 
     def __post_init__(self):
@@ -88,7 +89,8 @@ def _shape(cands: list[Candidate], ks: list[int], depth: int | None = None, larg
     verified = sum(c.verified(k) for c, k in zip(cands, ks))
     drafting = sum(1 for k in ks if k)
     deepest = max(ks, default=0) if depth is None or not drafting else depth
-    return StepShape(len(cands), drafting, nodes, deepest, verified, large)
+    context = sum(row_context(1 + c.verified(k), c.context) for c, k in zip(cands, ks))
+    return StepShape(len(cands), drafting, nodes, deepest, verified, large, context)
 
 
 def evaluate(cands: list[Candidate], ks: list[int], cost: LatencyModel,
@@ -100,9 +102,9 @@ def evaluate(cands: list[Candidate], ks: list[int], cost: LatencyModel,
     return tokens, cost.step_ms(_shape(cands, ks, depth, large))
 
 
-def _level_tokens(c: Candidate, lam: float, dw: list[float], node_ms: float) -> float:
+def _level_tokens(c: Candidate, lam: float, dw: list[float], cost: LatencyModel) -> float:
     """What one more level of c's draft costs, in tokens at the ratio lam."""
-    return lam * (dw[2] * c.width + node_ms * c.verified(1))
+    return lam * (dw[2] * c.width + cost.node_ms(c.context) * c.verified(1))
 
 
 def _last_paying(c: Candidate, lo: int, hi: int, per_level: float) -> int:
@@ -123,8 +125,8 @@ def _deepest_useful_cap(cands: list[Candidate], lam: float, cost: LatencyModel) 
     adds over all requests (each one's expected tokens less its drafting and verifying, at lam)
     cannot pay the depth term the level adds. Those net gains only fall with depth and with lam,
     so a binary search finds it, and it holds for the rest of the search."""
-    dw, node_ms = cost.draft.weights, cost.node_ms()
-    per_level = [_level_tokens(c, lam, dw, node_ms) for c in cands]
+    dw = cost.draft.weights
+    per_level = [_level_tokens(c, lam, dw, cost) for c in cands]
 
     def pays(level: int) -> bool:
         net = sum(max(0.0, c.gains[level] - c.gains[level - 1] - p) for c, p in zip(cands, per_level)
@@ -144,22 +146,25 @@ def _deepest_useful_cap(cands: list[Candidate], lam: float, cost: LatencyModel) 
 def _choose(cands: list[Candidate], cap: int, lam: float, cost: LatencyModel) -> list[int]:
     """Maximize sum_i E_i(k_i) - lam * T(k) over k_i <= cap, with the draft's depth term charged
     at the cap. Without the shared terms the problem separates by request."""
-    dw, node_ms = cost.draft.weights, cost.node_ms()  # [1, drafting, nodes, depth]; verify ms per node
+    dw = cost.draft.weights  # [1, drafting, nodes, depth]
+    node_ms = [cost.node_ms(c.context) for c in cands]  # verify ms per node of each
 
-    def value(c: Candidate, k: int) -> float:
-        return c.gains[k] - lam * (dw[2] * k * c.width + node_ms * c.verified(k) + (dw[1] if k else 0.0))
+    def value(i: int, k: int) -> float:
+        c = cands[i]
+        return c.gains[k] - lam * (dw[2] * k * c.width + node_ms[i] * c.verified(k) + (dw[1] if k else 0.0))
 
-    def best(c: Candidate, r: range) -> int:
-        lo = _last_paying(c, max(r.start, 1), r.stop - 1, _level_tokens(c, lam, dw, node_ms))
-        if r.start == 0 and (lo > r.stop - 1 or value(c, 0) >= value(c, lo)):
+    def best(i: int, r: range) -> int:
+        c = cands[i]
+        lo = _last_paying(c, max(r.start, 1), r.stop - 1, _level_tokens(c, lam, dw, cost))
+        if r.start == 0 and (lo > r.stop - 1 or value(i, 0) >= value(i, lo)):
             return 0
         return lo
 
     ranges = [range(min(c.min_k, min(cap, c.max_k)), min(cap, c.max_k) + 1) for c in cands]
-    ks = [best(c, r) for c, r in zip(cands, ranges)]
+    ks = [best(i, r) for i, r in enumerate(ranges)]
     if any(ks) and all(r.start == 0 for r in ranges):  # or draft nothing and skip the shared terms
-        drafting = sum(value(c, k) for c, k in zip(cands, ks)) - lam * (dw[0] + dw[3] * cap)
-        if sum(value(c, 0) for c in cands) >= drafting:
+        drafting = sum(value(i, k) for i, k in enumerate(ks)) - lam * (dw[0] + dw[3] * cap)
+        if sum(value(i, 0) for i in range(len(cands))) >= drafting:
             ks = [0] * len(cands)
     return ks
 
@@ -221,7 +226,7 @@ def plan(cands: list[Candidate], cost: LatencyModel) -> Plan:
 def _one_request(c: Candidate, cost: LatencyModel, lowest: int) -> int:
     """One request's best k: every k at its true cost (exact with a row curve too)."""
     best_k, best_ratio = lowest, -1.0
-    costs = cost.single_ms(c.max_k, c.width, c.verified(1))  # costs[k]: the step's ms drafting k deep
+    costs = cost.single_ms(c.max_k, c.width, c.verified(1), c.context)  # costs[k]: the step's ms drafting k deep
     for k in range(lowest, c.max_k + 1):
         ms = costs[k]
         if c.gains[k] / ms > best_ratio * (1 + 1e-12):

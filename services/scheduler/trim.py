@@ -11,15 +11,18 @@ for their verification cost:
   request whose nodes pass more or less often than the calibration expects scales it (its own
   observed / expected ratio, `RequestScale`, acceptance.py). A node's value is its path
   probability, the product of alpha along its path: the expected tokens it adds.
-- Verifying a node costs the same whichever node it is (the latency model's cost depends on how
-  many nodes, not which), so the set of nodes maximizing the step's expected tokens per ms,
+- Verifying a node costs what the latency model charges for one more row plus its request's
+  context term (a row attends to every token its request holds), so the set of nodes maximizing
+  the step's expected tokens per ms,
 
       (batch + sum of kept values) / (step ms so far + verify ms of the kept nodes),
 
-  is the best prefix of the nodes sorted by value (every prefix is tried). A node's value is
-  first capped by its parent's and its previous sibling's, so every prefix is a valid tree: a
-  node's parent and its earlier siblings come with it (what the verifier's sibling-by-sibling
-  rejection sampling needs). Dropping nodes never changes what a kept node's q is.
+  is taken as the best prefix of the nodes sorted by value per ms of their verification (every
+  prefix is tried, at the latency model's cost; exact where that cost is linear in the nodes:
+  a node pays iff its value per ms beats the best ratio). A node's value is first capped by its
+  parent's and its previous sibling's, so every prefix is a valid tree: a node's parent and its
+  earlier siblings come with it (what the verifier's sibling-by-sibling rejection sampling
+  needs). Dropping nodes never changes what a kept node's q is.
 
 Lossless only where the choice cannot depend on a random draw the verification then relies on:
 a sampling request's tree is trimmed only when every node is a point-mass proposal (the n-gram's,
@@ -35,7 +38,7 @@ import math
 
 from services.common.tree import DraftTree
 from services.scheduler.acceptance import NodeCalibration
-from services.scheduler.latency import LatencyModel
+from services.scheduler.latency import LatencyModel, row_context
 
 
 def trimmable(tree: DraftTree, greedy: bool) -> bool:
@@ -73,16 +76,19 @@ def node_values(tree: DraftTree, conf: list[float], calib: NodeCalibration, scal
 
 
 def trim(trees: list[DraftTree], calib: NodeCalibration, latency: LatencyModel, spent_ms: float,
-         batch: int | None = None, fixed_nodes: int = 0, min_depth: int = 0, scales: list[float] | None = None
-         ) -> tuple[list[DraftTree], list[list[float]]]:
+         batch: int | None = None, fixed_nodes: int = 0, min_depth: int = 0, scales: list[float] | None = None,
+         contexts: list[int] | None = None, fixed_context: float = 0.0) -> tuple[list[DraftTree], list[list[float]]]:
     """Trim every request's tree so the step's expected tokens per ms is highest; `spent_ms` is
     what the step cost before verification (drafting), `batch` the requests verified (default:
     one per tree; requests without a tree still yield a token each), `fixed_nodes` the draft
     nodes of the step's untrimmable trees, `min_depth` the depth of each tree's first chain that
-    is always kept (--min-draft-length), `scales` each request's `RequestScale`. Returns the
-    trees and their nodes' confidences (for `NodeCalibration.observe` once verified)."""
+    is always kept (--min-draft-length), `scales` each request's `RequestScale`, `contexts` the
+    tokens each tree's request holds (default 0), `fixed_context` the context term of the rows
+    outside these trees (StepShape.context: the other requests' rows and untrimmable nodes).
+    Returns the trees and their nodes' confidences (for `NodeCalibration.observe` once verified)."""
     batch = len(trees) if batch is None else batch
     scales = scales or [1.0] * len(trees)
+    contexts = contexts or [0] * len(trees)
     confs = [node_confidence(t) for t in trees]
     keep: list[list[int]] = [t.first_path()[:min_depth] for t in trees]
     forced_nodes, forced_gain = sum(len(k) for k in keep), 0.0
@@ -94,13 +100,19 @@ def trim(trees: list[DraftTree], calib: NodeCalibration, latency: LatencyModel, 
                 forced_gain += v
             else:
                 ranked.append((v, r, i))
-    ranked.sort(key=lambda x: (-x[0], x[1], x[2]))  # parents and earlier siblings first on ties
+    # By value per ms of its verification: within a request the order by value (one price), so
+    # parents and earlier siblings still come first (on ties by index)
+    price = [max(latency.node_ms(c), 1e-9) for c in contexts]
+    ranked.sort(key=lambda x: (-x[0] / price[x[1]], x[1], x[2]))
     base_nodes, base_tokens = fixed_nodes + forced_nodes, batch + forced_gain
-    best_n, best_ratio, gained = 0, -1.0, 0.0
-    costs = latency.verify_ms_from(batch, base_nodes, len(ranked) + 1)
+    base_context = fixed_context + sum(row_context(1 + len(k), c) for k, c in zip(keep, contexts))
+    best_n, best_ratio, gained, rows_ms = 0, -1.0, 0.0, 0.0
+    costs = latency.verify_ms_from(batch, base_nodes, len(ranked) + 1, base_context)
     for n, ms in enumerate(costs):  # every prefix, at the latency model's cost (not linear in n)
-        gained += ranked[n - 1][0] if n else 0.0
-        ratio = (base_tokens + gained) / max(spent_ms + ms, 1e-9)
+        if n:
+            gained += ranked[n - 1][0]
+            rows_ms += latency.context_ms(contexts[ranked[n - 1][1]])
+        ratio = (base_tokens + gained) / max(spent_ms + ms + rows_ms, 1e-9)
         if ratio > best_ratio:
             best_n, best_ratio = n, ratio
     for _, r, i in ranked[:best_n]:

@@ -8,7 +8,7 @@ import pytest
 
 from services.scheduler import calibration, calibration_cache
 from services.scheduler.engine import run_now
-from services.scheduler.latency import LatencyModel
+from services.scheduler.latency import LatencyModel, row_context
 from services.scheduler.workers import Reply, Workers
 
 
@@ -68,6 +68,29 @@ def test_warm_up_learns_where_the_verify_cost_steps(monkeypatch):
     assert ms[6] - ms[5] == pytest.approx(5.0, abs=0.1)  # the step at 7 rows
     assert ms[16] - ms[11] == pytest.approx(5.0, abs=0.1)  # measured up to 17 rows whatever max_k
     assert ms[19] > ms[16]  # beyond: the curve's average slope
+
+
+class AttendingVerifier(DriftingVerifier):
+    """Costs 20 ms + 0.5 ms per node + 0.002 ms per row per token the request holds (no drift)."""
+
+    async def step(self, step_id, works):
+        rows, held = 1 + len(works[0].tree), len(works[0].tokens)
+        self.clock.now += (20.0 + 0.5 * (rows - 1) + 0.002 * rows * held) / 1e3
+        self.calls += 1
+        return Reply(results={works[0].req_id: SimpleNamespace(tokens=[1], states=None)})
+
+
+def test_warm_up_learns_what_a_row_costs_per_token_it_attends_to(monkeypatch):
+    """Measured after the short prompt alone, every row would look alike; the long prompt's
+    sizes show the fit that a node of a request holding 1000 tokens costs 2 ms more."""
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr(calibration.time, "perf_counter", lambda: clock.now)
+    latency = LatencyModel(verify_prior=(30.0, 0.0, 0.0, 0.0))
+    run_now(calibration.calibrate(latency, AttendingVerifier(clock), None, vocab_size=100, max_k=4, width=1,
+                                  max_positions=2048))
+    assert latency.node_ms(1000) - latency.node_ms(20) == pytest.approx(0.002 * 980, rel=0.1)
+    long_step = latency.verify_ms(1, 4, row_context(5, 1000)) - latency.verify_ms(1, 4, row_context(5, 20))
+    assert long_step == pytest.approx(0.002 * 5 * 980, rel=0.1)
 
 
 def test_every_size_up_to_16_is_measured_and_larger_trees_spread():
@@ -161,7 +184,8 @@ def test_two_schedulers_warm_up_at_once_through_one_verifier(tiny_target):
 
     async def both():
         # one measures trees up to 16 nodes, the other up to 64: it is still measuring when the first ends
-        await asyncio.gather(*(calibration.calibrate(LatencyModel(), s, None, info.vocab_size, max_k=4, width=w)
+        await asyncio.gather(*(calibration.calibrate(LatencyModel(), s, None, info.vocab_size, max_k=4, width=w,
+                                                     max_positions=info.max_positions)
                                for s, w in zip(schedulers, (1, 4))))
 
     asyncio.run(both())

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from services.scheduler.acceptance import Acceptance
-from services.scheduler.latency import LatencyModel, LinearFit, RowCurve, StepShape
+from services.scheduler.latency import LatencyModel, LinearFit, RowCurve, StepShape, row_context
 from services.scheduler.policy import Candidate, evaluate, expected_tokens, plan
 
 
@@ -33,15 +33,18 @@ def test_expected_tokens_closed_form():
 
 @pytest.mark.parametrize("seed", range(200))
 def test_plan_matches_brute_force_on_random_batches(seed):
+    # a context term in half the cases: each request's rows then cost by the tokens it holds
     rng = random.Random(seed)
-    cost = latency(verify=(rng.uniform(5, 50), rng.uniform(0, 5), rng.uniform(0.1, 8), rng.choice([0, 12, 40])),
+    cost = latency(verify=(rng.uniform(5, 50), rng.uniform(0, 5), rng.uniform(0.1, 8), rng.choice([0, 12, 40]), 1.0,
+                           rng.choice([0.0, rng.uniform(0, 4)])),
                    draft=(rng.uniform(0, 5), rng.uniform(0, 2), rng.uniform(0, 3), rng.choice([0.0, rng.uniform(0, 6)])),
                    route_rows=rng.choice([0, 1, 3, 5]))
     cands = []
     for i in range(rng.randint(1, 4)):
         rates = [rng.uniform(0.0, 1.0) ** rng.choice([0.3, 1, 3]) for _ in range(5)]
         cands.append(Candidate(f"r{i}", rates, max_k=rng.randint(0, 5), min_k=rng.choice([0, 0, 0, 1]),
-                               width=rng.choice([1, 1, 2, 3]), trimmed=rng.random() < 0.2))
+                               width=rng.choice([1, 1, 2, 3]), trimmed=rng.random() < 0.2,
+                               context=rng.choice([0, 40, 900, 3000])))
     got = plan(cands, cost)
     want, want_ratio = brute_force(cands, cost)
     assert got.tokens_per_s / 1e3 == pytest.approx(want_ratio, rel=1e-9), (got.k, want)
@@ -227,8 +230,12 @@ def test_single_request_costs_equal_the_step_shape_costs(width, verified_per_lev
     cost.set_curve(RowCurve({1: 0.0, 2: 1.5, 6: 1.6, 7: 4.0, 13: 8.0}))
     for _ in range(50):
         n = rng.randint(0, 12)
-        cost.observe(StepShape(1, 1 if n else 0, n, n, rng.randint(0, n)), rng.random(), 17 + 0.4 * n + rng.random())
+        m, tokens = rng.randint(0, n), rng.randint(10, 2000)
+        cost.observe(StepShape(1, 1 if n else 0, n, n, m, context=row_context(1 + m, tokens)), rng.random(),
+                     17 + 0.4 * n + 0.002 * (1 + m) * tokens + rng.random())
     per_level = width if verified_per_level is None else verified_per_level
-    want = [cost.step_ms(StepShape(1, 1 if k else 0, k * width, k, k * per_level)) for k in range(17)]
-    assert cost.single_ms(16, width, verified_per_level) == want
-    assert want[0] < want[1]  # drafting costs something: the shapes differ
+    for tokens in (0, 700):
+        want = [cost.step_ms(StepShape(1, 1 if k else 0, k * width, k, k * per_level,
+                                       context=row_context(1 + k * per_level, tokens))) for k in range(17)]
+        assert cost.single_ms(16, width, verified_per_level, tokens) == want
+        assert want[0] < want[1]  # drafting costs something: the shapes differ

@@ -9,7 +9,7 @@ import pytest
 
 from services.common.tree import DraftTree
 from services.scheduler.acceptance import NodeCalibration
-from services.scheduler.latency import LatencyModel
+from services.scheduler.latency import LatencyModel, row_context
 from services.scheduler.trim import node_confidence, node_values, trim
 
 
@@ -19,6 +19,12 @@ def chain(tokens: list[int], confs: list[float]) -> DraftTree:
         t.add(tok, i - 1, [tok], [1.0])
     t.confidence = list(confs)
     return t
+
+
+def random_chain(rng: random.Random, r: int) -> DraftTree:
+    """Request r's chain of 0 to 4 nodes, confidences falling along it."""
+    n = rng.randint(0, 4)
+    return chain([10 * r + i for i in range(n)], sorted((rng.random() for _ in range(n)), reverse=True))
 
 
 def latency(node_ms: float, one_ms: float = 20.0, route_ms: float = 0.0, route_rows: int = 3) -> LatencyModel:
@@ -87,9 +93,7 @@ def test_trim_matches_brute_force_on_chains():
     rng = random.Random(11)
     calib = NodeCalibration()
     for _ in range(60):
-        trees = [chain([10 * r + i for i in range(rng.randint(0, 4))], []) for r in range(rng.randint(1, 3))]
-        for t in trees:
-            t.confidence = sorted((rng.random() for _ in t.tokens), reverse=True)
+        trees = [random_chain(rng, r) for r in range(rng.randint(1, 3))]
         lat = latency(node_ms=rng.uniform(0.5, 15.0), one_ms=rng.uniform(5, 40), route_ms=rng.choice([0, 10]))
         spent = rng.uniform(0, 10)
         best = max(ratio(trees, ks, calib, lat, spent)
@@ -97,6 +101,28 @@ def test_trim_matches_brute_force_on_chains():
         kept, _ = trim(trees, calib, lat, spent)
         got = ratio(trees, [len(t) for t in kept], calib, lat, spent)
         assert abs(got - best) <= 1e-9 * best
+
+
+def test_trim_matches_brute_force_when_requests_hold_different_contexts():
+    """Each row attends to its request's tokens: a long request's nodes cost more to verify, so
+    the best set is no longer the best values; with a linear cost it is the best values per ms."""
+    rng = random.Random(12)
+    calib = NodeCalibration()
+    for _ in range(100):
+        trees = [random_chain(rng, r) for r in range(rng.randint(2, 3))]
+        contexts = [rng.choice([10, 300, 3000]) for _ in trees]
+        lat = LatencyModel(verify_prior=(rng.uniform(2, 10), 0.0, rng.uniform(0.1, 1.0), 0.0, 0.0,
+                                         rng.uniform(0.5, 3.0)))
+        spent = rng.uniform(0, 10)
+
+        def ratio_of(ks):
+            tokens = len(trees) + sum(sum(node_values(t, node_confidence(t), calib)[:n]) for t, n in zip(trees, ks))
+            context = sum(row_context(1 + n, c) for n, c in zip(ks, contexts))
+            return tokens / (spent + lat.verify_ms(len(trees), sum(ks), context))
+
+        best = max(ratio_of(ks) for ks in itertools.product(*(range(len(t) + 1) for t in trees)))
+        kept, _ = trim(trees, calib, lat, spent, contexts=contexts)
+        assert ratio_of([len(t) for t in kept]) == pytest.approx(best, rel=1e-9)
 
 
 def test_calibration_learns_what_passes():
