@@ -4,7 +4,7 @@ Synthetic requests (fixed token ids) go through the real path: one request per t
 prefilled (not measured), then every size is verified with an n-node chain in rounds, one size
 after another within a round, so that a machine whose speed drifts shifts every size alike
 instead of tilting the fitted cost per node; a few sizes also after a long prompt, so the fit
-tells what a row costs per token it attends to (latency.py's context term); then each short
+tells what a row costs per token it attends to (latency.py's context terms); then each short
 request is drafted to each depth k. Each shape is one observation, the least of its runs after
 the first (noise only adds: another process's work on the same cores, a wait behind another
 scheduler's step). It runs through the step's own workers
@@ -76,7 +76,8 @@ def fit_verify(latency: LatencyModel, cost: dict[tuple[int, int], float]) -> Non
     base = cost[(0, short)]
     latency.set_curve(RowCurve({n + 1: ms - base for (n, t), ms in cost.items() if t == short}))
     for (n, t), ms in cost.items():
-        latency.observe_verify(StepShape(1, 0, n, 0, context=row_context(1 + n, t)), ms)
+        latency.observe_verify(StepShape(1, 0, n, 0, context=row_context(1, t), node_context=row_context(n, t)),
+                               ms)
 
 
 def _ms(t0: float) -> float:
@@ -117,7 +118,7 @@ def _log_fit(latency: LatencyModel) -> None:
     curve = latency.curve
     shape = ", ".join(f"{r}: +{curve(r):.1f}" for r in (2, 5, 9, 17)) if curve is not None else "none"
     log.info("warm-up: verify ms = %s . [1, batch, nodes, %s, row curve (ms over 1 row at rows %s), "
-             "rows x tokens held / 1000]; "
+             "tokens held / 1000, nodes x tokens held / 1000]; "
              "draft ms = %s . [1, drafting, nodes, depth]", [round(w, 2) for w in latency.verify.weights], step,
              shape, [round(w, 2) for w in latency.draft.weights])
 

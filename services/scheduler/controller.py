@@ -144,14 +144,14 @@ class DraftController:
         return out
 
     def trim(self, rids: list[str], trees: list[DraftTree], greedy: list[bool], spent_ms: float, batch: int,
-             adaptive: list[bool] | None = None, contexts: list[int] | None = None, others_context: float = 0.0
+             adaptive: list[bool] | None = None, contexts: list[int] | None = None, context: float = 0.0
              ) -> tuple[list[DraftTree], list[list[float] | None]]:
         """The step's proposed trees, those of adaptive requests (default: all) that may be
         trimmed without bias (`trimmable`) cut to the nodes worth verifying (see trim.py); and
         the confidences of the trimmed trees' nodes for `observe_nodes` (None for a tree left as
-        proposed). `contexts`: the tokens each tree's request holds (default 0); `others_context`:
-        the context term (StepShape.context) of the batch's requests without a tree. The planner
-        then counts only drafting as the price of a trimmed request's depth."""
+        proposed). `contexts`: the tokens each tree's request holds (default 0); `context`: the
+        whole batch's (StepShape.context). The planner then counts only drafting as the price of a
+        trimmed request's depth."""
         adaptive = adaptive or [True] * len(trees)
         contexts = contexts or [0] * len(trees)
         which = [i for i, (t, g, a) in enumerate(zip(trees, greedy, adaptive)) if a and len(t) and trimmable(t, g)]
@@ -160,12 +160,12 @@ class DraftController:
                 self.trimmed[rid] = i in which
         chosen = set(which)
         fixed = sum(len(t) for i, t in enumerate(trees) if i not in chosen)
-        fixed_context = others_context + sum(row_context(1 + len(t), contexts[i]) for i, t in enumerate(trees)
-                                             if i not in chosen)
+        fixed_node_context = sum(row_context(len(t), contexts[i]) for i, t in enumerate(trees) if i not in chosen)
         scales = [self.scales[rids[i]].value if rids[i] in self.scales else 1.0 for i in which]
         kept, confs = trim([trees[i] for i in which], self.calibration, self.latency, spent_ms, batch, fixed,
                            min_depth=self.config.min_draft_length, scales=scales,
-                           contexts=[contexts[i] for i in which], fixed_context=fixed_context)
+                           contexts=[contexts[i] for i in which], context=context,
+                           fixed_node_context=fixed_node_context)
         out, out_confs = list(trees), [None] * len(trees)
         for i, tree, conf in zip(which, kept, confs):
             out[i], out_confs[i] = tree, conf

@@ -222,7 +222,7 @@ class StepCore:
         confs = self._trim(decoding, trees, time.perf_counter() - t0)
         self.prefill.fit_trees(decoding, bool(prompts), trees, confs)
         chunks = self.prefill.chunks(decoding, prompts, trees, (time.perf_counter() - t0) * 1e3)
-        context = sum(row_context(1 + len(trees.get(r.req_id, ())), len(r.tokens)) for r in decoding)
+        held = [(r, len(r.tokens)) for r in decoding]  # the tokens each holds: its rows attend to them
         t1 = time.perf_counter()
         # A request cancelled while the draft worked is not verified: its release is on its way.
         layers = self.drafts.feature_layers if self.drafts is not None else ()
@@ -240,8 +240,7 @@ class StepCore:
         if verified.results:  # a step no verifier took times nothing
             self.prefill.observe(report.verify_ms, decoding, trees, verified.fresh)
         if self.controller is not None and report.outcomes:
-            shape = StepShape(len(decoding), drafted, proposed[0], proposed[1],
-                              verified=sum(len(t) for t in trees.values()), context=context)
+            shape = self._shape(held, trees, drafted, proposed)
             outcomes = {o.req.req_id: (o.draft_length, o.depth, o.accepted, o.output) for o in report.outcomes}
             self.controller.observe(shape, report.draft_ms, report.verify_ms, outcomes,
                                     prefill=bool(verified.fresh or fresh or chunks))
@@ -251,6 +250,14 @@ class StepCore:
         for observer in self.observers:
             observer.on_step(report)
         return out
+
+    @staticmethod
+    def _shape(held: list[tuple[Request, int]], trees: dict[str, DraftTree], drafted: int,
+               proposed: tuple[int, int]) -> StepShape:
+        """The step as the latency model sees it; `held`: each request and the tokens it held."""
+        return StepShape(len(held), drafted, proposed[0], proposed[1], verified=sum(len(t) for t in trees.values()),
+                         context=sum(row_context(1, n) for _, n in held),
+                         node_context=sum(row_context(len(trees.get(r.req_id, ())), n) for r, n in held))
 
     def _hold(self, req: Request) -> bool:
         """Whether a request no verifier could take waits for one (it is streaming, and has not
@@ -318,10 +325,10 @@ class StepCore:
         if self.controller is None or not any(r.fixed_k is None for r in reqs):
             return {}
         rids = [r.req_id for r in reqs]
-        others = sum(row_context(1, len(r.tokens)) for r in batch if not len(trees.get(r.req_id, ())))
+        held = sum(row_context(1, len(r.tokens)) for r in batch)
         kept, confs = self.controller.trim(rids, [trees[rid] for rid in rids], [r.params.greedy for r in reqs],
                                            spent_s * 1e3, len(batch), [r.fixed_k is None for r in reqs],
-                                           [len(r.tokens) for r in reqs], others)
+                                           [len(r.tokens) for r in reqs], held)
         trees.update(zip(rids, kept))
         return {rid: conf for rid, conf in zip(rids, confs) if conf is not None}
 

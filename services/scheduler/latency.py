@@ -27,10 +27,12 @@ from dataclasses import dataclass
 # measures that shape (`RowCurve`, batch 1, every tree size up to calibration.EVERY_SIZE_UP_TO) and the fit
 # weighs it as one more feature, so trimming sees which nodes are nearly free.
 #
-# Each row also attends to every slot its request holds: on the CPU kernels a 5-row verify costs
-# about 1.7 ms more than one row after 50 cached tokens and 2.5 ms more after 1000 (BENCHMARKS.md).
-# The last feature is the step's attention work, sum over requests of rows x cached tokens (in
-# thousands), so a long request's nodes are priced dearer than a short one's.
+# Each row also attends to every token its request holds, and a request's first row pays most of
+# that (it brings the keys and values in; the rows of its tree share those reads): on the CPU
+# kernels one row costs 1.8 ms more after 1000 cached tokens than after 50, a 5-row tree 2.6 ms
+# more (BENCHMARKS.md). So two features: the tokens the batch's requests hold, and the verified
+# nodes x the tokens their request holds (both in thousands), so a long request's nodes are priced
+# dearer than a short one's, at what a node adds.
 CONTEXT_UNIT = 1000.0
 
 
@@ -77,34 +79,35 @@ class StepShape:
 
     # True: charge the route step whatever the rows (the planner's Dinkelbach search, see plan)
     large: bool = False
-    # sum over requests of (1 + verified nodes) x tokens held before the step, / CONTEXT_UNIT
-    context: float = 0.0
+    context: float = 0.0  # sum over requests of the tokens each holds before the step, / CONTEXT_UNIT
+    node_context: float = 0.0  # sum over requests of verified nodes x tokens held, / CONTEXT_UNIT
 
     @property
     def verified_nodes(self) -> int:
         return self.nodes if self.verified is None else self.verified
 
     def verify_features(self, route_rows: int, curve: RowCurve | None = None) -> tuple[float, ...]:
-        return verify_features(self.batch, self.verified_nodes, route_rows, curve, self.large, self.context)
+        return verify_features(self.batch, self.verified_nodes, route_rows, curve, self.large, self.context,
+                               self.node_context)
 
     def draft_features(self) -> tuple[float, ...]:
         return draft_features(self.drafting, self.nodes, self.depth)
 
 
 def verify_features(batch: int, verified: int, route_rows: int, curve: RowCurve | None = None,
-                    large: bool = False, context: float = 0.0) -> tuple[float, ...]:
-    """[1, batch, verified nodes, past the route step?, the row curve at batch + nodes, context]
-    for a verifier whose matmul changes route past `route_rows` rows (0: never; `large`: charge the
-    step whatever the rows); the curve's term is 0 without a measured curve; `context` is
-    StepShape.context."""
+                    large: bool = False, context: float = 0.0, node_context: float = 0.0) -> tuple[float, ...]:
+    """[1, batch, verified nodes, past the route step?, the row curve at batch + nodes, context,
+    node context] for a verifier whose matmul changes route past `route_rows` rows (0: never;
+    `large`: charge the step whatever the rows); the curve's term is 0 without a measured curve;
+    the context terms are StepShape's."""
     rows = batch + verified
     past = route_rows > 0 and (large or rows > route_rows)
     return (1.0, float(batch), float(verified), 1.0 if past else 0.0, curve(rows) if curve is not None else 0.0,
-            float(context))
+            float(context), float(node_context))
 
 
 def row_context(rows: int, tokens: int) -> float:
-    """StepShape.context's share of one request: `rows` rows over its `tokens` cached tokens."""
+    """`rows` rows of a request holding `tokens` tokens, in the context terms' unit."""
     return rows * tokens / CONTEXT_UNIT
 
 
@@ -190,14 +193,14 @@ class LinearFit:
 
 
 class LatencyModel:
-    """Predicted step latency in ms: verify(batch, nodes, route step, row curve, context) +
-    draft(drafting, nodes, depth). `verify_prior` may leave out the last weights (route step 0,
-    row curve 1, context 0); `route_rows` is the verifier's (0: no route step); `set_curve` adds
-    the measured row curve."""
+    """Predicted step latency in ms: verify(batch, nodes, route step, row curve, context, node
+    context) + draft(drafting, nodes, depth). `verify_prior` may leave out the last weights (route
+    step 0, row curve 1, contexts 0); `route_rows` is the verifier's (0: no route step);
+    `set_curve` adds the measured row curve."""
 
     def __init__(self, verify_prior: tuple[float, ...] = (30.0, 2.0, 2.0, 0.0),
                  draft_prior: tuple[float, ...] = (2.0, 0.5, 0.5, 1.0), route_rows: int = 0):
-        unset = (0.0, 0.0, 0.0, 0.0, 1.0, 0.0)  # weights of [1, batch, nodes, route step, row curve, context]
+        unset = (0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0)  # [1, batch, nodes, route step, row curve, contexts]
         self.verify = LinearFit(tuple(verify_prior) + unset[len(verify_prior):])
         self.draft = LinearFit(draft_prior)
         self.route_rows = route_rows
@@ -218,19 +221,22 @@ class LatencyModel:
         self.draft.load_state(state["draft"])
         self.curve = None if state["curve"] is None else RowCurve({int(r): float(ms) for r, ms in state["curve"]})
 
-    def verify_ms(self, batch: int, nodes: int, context: float = 0.0) -> float:
-        return self.verify.predict(verify_features(batch, nodes, self.route_rows, self.curve, context=context))
+    def verify_ms(self, batch: int, nodes: int, context: float = 0.0, node_context: float = 0.0) -> float:
+        return self.verify.predict(verify_features(batch, nodes, self.route_rows, self.curve, False, context,
+                                                   node_context))
 
-    def verify_ms_from(self, batch: int, nodes: int, count: int, context: float = 0.0) -> list[float]:
-        """[verify_ms(batch, n, context) for n = nodes .. nodes + count - 1] without a StepShape
-        each: the trim prices every prefix of a batch's nodes each step (adding each node's own
-        context_ms)."""
-        return [self.verify.predict(verify_features(batch, n, self.route_rows, self.curve, context=context))
+    def verify_ms_from(self, batch: int, nodes: int, count: int, context: float = 0.0,
+                       node_context: float = 0.0) -> list[float]:
+        """[verify_ms(batch, n, context, node_context) for n = nodes .. nodes + count - 1] without
+        a StepShape each: the trim prices every prefix of a batch's nodes each step (adding each
+        node's own context_ms)."""
+        return [self.verify.predict(verify_features(batch, n, self.route_rows, self.curve, False, context,
+                                                    node_context))
                 for n in range(nodes, nodes + count)]
 
     def context_ms(self, tokens: int) -> float:
-        """What one more row over `tokens` cached tokens adds through the context term."""
-        return self.verify.weights[5] * row_context(1, tokens)
+        """What a node of a request holding `tokens` tokens adds through the node context term."""
+        return self.verify.weights[6] * row_context(1, tokens)
 
     def node_ms(self, tokens: int = 0) -> float:
         """Verify ms per node of a request holding `tokens` tokens, with the row curve taken at
@@ -256,8 +262,8 @@ class LatencyModel:
         0..max_k]: k * width nodes, of which k * verified_per_level are verified (default: all).
         The planner prices every k of a lone request each step; this skips a StepShape per k."""
         per_level = width if verified_per_level is None else verified_per_level
-        return [self._ms(verify_features(1, k * per_level, self.route_rows, self.curve,
-                                         context=row_context(1 + k * per_level, tokens)),
+        return [self._ms(verify_features(1, k * per_level, self.route_rows, self.curve, False,
+                                         row_context(1, tokens), row_context(k * per_level, tokens)),
                          draft_features(1, k * width, k) if k else None) for k in range(max_k + 1)]
 
     def _ms(self, verify_x: tuple[float, ...], draft_x: tuple[float, ...] | None) -> float:

@@ -61,7 +61,7 @@ class Candidate:
     # Its tree is trimmed once proposed (trim.py): only nodes that pay for their verification are
     # verified, so proposing deeper costs drafting only.
     trimmed: bool = False
-    context: int = 0  # tokens it holds (each of its rows attends to them: LatencyModel's context term)
+    context: int = 0  # tokens it holds (each of its rows attends to them: LatencyModel's context terms)
     gains: list[float] = field(init=False, repr=False)  # gains[k] = E(k) for k = 0..max_k
 
     def __post_init__(self):
@@ -89,8 +89,9 @@ def _shape(cands: list[Candidate], ks: list[int], depth: int | None = None, larg
     verified = sum(c.verified(k) for c, k in zip(cands, ks))
     drafting = sum(1 for k in ks if k)
     deepest = max(ks, default=0) if depth is None or not drafting else depth
-    context = sum(row_context(1 + c.verified(k), c.context) for c, k in zip(cands, ks))
-    return StepShape(len(cands), drafting, nodes, deepest, verified, large, context)
+    context = sum(row_context(1, c.context) for c in cands)
+    node_context = sum(row_context(c.verified(k), c.context) for c, k in zip(cands, ks))
+    return StepShape(len(cands), drafting, nodes, deepest, verified, large, context, node_context)
 
 
 def evaluate(cands: list[Candidate], ks: list[int], cost: LatencyModel,

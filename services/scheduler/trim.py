@@ -12,8 +12,8 @@ for their verification cost:
   observed / expected ratio, `RequestScale`, acceptance.py). A node's value is its path
   probability, the product of alpha along its path: the expected tokens it adds.
 - Verifying a node costs what the latency model charges for one more row plus its request's
-  context term (a row attends to every token its request holds), so the set of nodes maximizing
-  the step's expected tokens per ms,
+  node context term (a row attends to every token its request holds), so the set of nodes
+  maximizing the step's expected tokens per ms,
 
       (batch + sum of kept values) / (step ms so far + verify ms of the kept nodes),
 
@@ -77,14 +77,15 @@ def node_values(tree: DraftTree, conf: list[float], calib: NodeCalibration, scal
 
 def trim(trees: list[DraftTree], calib: NodeCalibration, latency: LatencyModel, spent_ms: float,
          batch: int | None = None, fixed_nodes: int = 0, min_depth: int = 0, scales: list[float] | None = None,
-         contexts: list[int] | None = None, fixed_context: float = 0.0) -> tuple[list[DraftTree], list[list[float]]]:
+         contexts: list[int] | None = None, context: float = 0.0, fixed_node_context: float = 0.0
+         ) -> tuple[list[DraftTree], list[list[float]]]:
     """Trim every request's tree so the step's expected tokens per ms is highest; `spent_ms` is
     what the step cost before verification (drafting), `batch` the requests verified (default:
     one per tree; requests without a tree still yield a token each), `fixed_nodes` the draft
     nodes of the step's untrimmable trees, `min_depth` the depth of each tree's first chain that
     is always kept (--min-draft-length), `scales` each request's `RequestScale`, `contexts` the
-    tokens each tree's request holds (default 0), `fixed_context` the context term of the rows
-    outside these trees (StepShape.context: the other requests' rows and untrimmable nodes).
+    tokens each tree's request holds (default 0), `context` the batch's (StepShape.context) and
+    `fixed_node_context` that of the untrimmable trees' nodes (StepShape.node_context's share).
     Returns the trees and their nodes' confidences (for `NodeCalibration.observe` once verified)."""
     batch = len(trees) if batch is None else batch
     scales = scales or [1.0] * len(trees)
@@ -105,9 +106,9 @@ def trim(trees: list[DraftTree], calib: NodeCalibration, latency: LatencyModel, 
     price = [max(latency.node_ms(c), 1e-9) for c in contexts]
     ranked.sort(key=lambda x: (-x[0] / price[x[1]], x[1], x[2]))
     base_nodes, base_tokens = fixed_nodes + forced_nodes, batch + forced_gain
-    base_context = fixed_context + sum(row_context(1 + len(k), c) for k, c in zip(keep, contexts))
+    node_context = fixed_node_context + sum(row_context(len(k), c) for k, c in zip(keep, contexts))
     best_n, best_ratio, gained, rows_ms = 0, -1.0, 0.0, 0.0
-    costs = latency.verify_ms_from(batch, base_nodes, len(ranked) + 1, base_context)
+    costs = latency.verify_ms_from(batch, base_nodes, len(ranked) + 1, context, node_context)
     for n, ms in enumerate(costs):  # every prefix, at the latency model's cost (not linear in n)
         if n:
             gained += ranked[n - 1][0]

@@ -71,26 +71,27 @@ def test_warm_up_learns_where_the_verify_cost_steps(monkeypatch):
 
 
 class AttendingVerifier(DriftingVerifier):
-    """Costs 20 ms + 0.5 ms per node + 0.002 ms per row per token the request holds (no drift)."""
+    """Costs 20 ms + 0.5 ms per node, + 0.0018 ms per token the request holds for its first row
+    and 0.0002 for each node (no drift)."""
 
     async def step(self, step_id, works):
-        rows, held = 1 + len(works[0].tree), len(works[0].tokens)
-        self.clock.now += (20.0 + 0.5 * (rows - 1) + 0.002 * rows * held) / 1e3
+        nodes, held = len(works[0].tree), len(works[0].tokens)
+        self.clock.now += (20.0 + 0.5 * nodes + 0.0018 * held + 0.0002 * nodes * held) / 1e3
         self.calls += 1
         return Reply(results={works[0].req_id: SimpleNamespace(tokens=[1], states=None)})
 
 
 def test_warm_up_learns_what_a_row_costs_per_token_it_attends_to(monkeypatch):
     """Measured after the short prompt alone, every row would look alike; the long prompt's
-    sizes show the fit that a node of a request holding 1000 tokens costs 2 ms more."""
+    sizes show the fit what holding 1000 tokens adds to a request's first row and to a node."""
     clock = SimpleNamespace(now=0.0)
     monkeypatch.setattr(calibration.time, "perf_counter", lambda: clock.now)
     latency = LatencyModel(verify_prior=(30.0, 0.0, 0.0, 0.0))
     run_now(calibration.calibrate(latency, AttendingVerifier(clock), None, vocab_size=100, max_k=4, width=1,
                                   max_positions=2048))
-    assert latency.node_ms(1000) - latency.node_ms(20) == pytest.approx(0.002 * 980, rel=0.1)
-    long_step = latency.verify_ms(1, 4, row_context(5, 1000)) - latency.verify_ms(1, 4, row_context(5, 20))
-    assert long_step == pytest.approx(0.002 * 5 * 980, rel=0.1)
+    assert latency.node_ms(1000) - latency.node_ms(20) == pytest.approx(0.0002 * 980, rel=0.1)
+    one_row = latency.verify_ms(1, 0, row_context(1, 1000)) - latency.verify_ms(1, 0, row_context(1, 20))
+    assert one_row == pytest.approx(0.0018 * 980, rel=0.1)
 
 
 def test_every_size_up_to_16_is_measured_and_larger_trees_spread():

@@ -33,10 +33,10 @@ def test_expected_tokens_closed_form():
 
 @pytest.mark.parametrize("seed", range(200))
 def test_plan_matches_brute_force_on_random_batches(seed):
-    # a context term in half the cases: each request's rows then cost by the tokens it holds
+    # context terms in half the cases: each request's rows then cost by the tokens it holds
     rng = random.Random(seed)
     cost = latency(verify=(rng.uniform(5, 50), rng.uniform(0, 5), rng.uniform(0.1, 8), rng.choice([0, 12, 40]), 1.0,
-                           rng.choice([0.0, rng.uniform(0, 4)])),
+                           *rng.choice([(0.0, 0.0), (rng.uniform(0, 4), rng.uniform(0, 4))])),
                    draft=(rng.uniform(0, 5), rng.uniform(0, 2), rng.uniform(0, 3), rng.choice([0.0, rng.uniform(0, 6)])),
                    route_rows=rng.choice([0, 1, 3, 5]))
     cands = []
@@ -231,11 +231,12 @@ def test_single_request_costs_equal_the_step_shape_costs(width, verified_per_lev
     for _ in range(50):
         n = rng.randint(0, 12)
         m, tokens = rng.randint(0, n), rng.randint(10, 2000)
-        cost.observe(StepShape(1, 1 if n else 0, n, n, m, context=row_context(1 + m, tokens)), rng.random(),
-                     17 + 0.4 * n + 0.002 * (1 + m) * tokens + rng.random())
+        cost.observe(StepShape(1, 1 if n else 0, n, n, m, context=row_context(1, tokens),
+                               node_context=row_context(m, tokens)), rng.random(),
+                     17 + 0.4 * n + 0.002 * tokens + 0.0003 * m * tokens + rng.random())
     per_level = width if verified_per_level is None else verified_per_level
     for tokens in (0, 700):
-        want = [cost.step_ms(StepShape(1, 1 if k else 0, k * width, k, k * per_level,
-                                       context=row_context(1 + k * per_level, tokens))) for k in range(17)]
+        want = [cost.step_ms(StepShape(1, 1 if k else 0, k * width, k, k * per_level, context=row_context(1, tokens),
+                                       node_context=row_context(k * per_level, tokens))) for k in range(17)]
         assert cost.single_ms(16, width, verified_per_level, tokens) == want
         assert want[0] < want[1]  # drafting costs something: the shapes differ

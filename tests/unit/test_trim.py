@@ -112,16 +112,17 @@ def test_trim_matches_brute_force_when_requests_hold_different_contexts():
         trees = [random_chain(rng, r) for r in range(rng.randint(2, 3))]
         contexts = [rng.choice([10, 300, 3000]) for _ in trees]
         lat = LatencyModel(verify_prior=(rng.uniform(2, 10), 0.0, rng.uniform(0.1, 1.0), 0.0, 0.0,
-                                         rng.uniform(0.5, 3.0)))
+                                         rng.uniform(0.5, 3.0), rng.uniform(0.5, 3.0)))
+        held = sum(row_context(1, c) for c in contexts)
         spent = rng.uniform(0, 10)
 
         def ratio_of(ks):
             tokens = len(trees) + sum(sum(node_values(t, node_confidence(t), calib)[:n]) for t, n in zip(trees, ks))
-            context = sum(row_context(1 + n, c) for n, c in zip(ks, contexts))
-            return tokens / (spent + lat.verify_ms(len(trees), sum(ks), context))
+            nodes = sum(row_context(n, c) for n, c in zip(ks, contexts))
+            return tokens / (spent + lat.verify_ms(len(trees), sum(ks), held, nodes))
 
         best = max(ratio_of(ks) for ks in itertools.product(*(range(len(t) + 1) for t in trees)))
-        kept, _ = trim(trees, calib, lat, spent, contexts=contexts)
+        kept, _ = trim(trees, calib, lat, spent, contexts=contexts, context=held)
         assert ratio_of([len(t) for t in kept]) == pytest.approx(best, rel=1e-9)
 
 
