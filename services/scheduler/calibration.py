@@ -136,24 +136,28 @@ async def calibrate(latency: LatencyModel, verifiers: Workers, drafts: Workers |
     if long_len > 2 * PROMPT_LEN:
         shapes += [(n, long_len) for n in LONG_SIZES if n <= sizes[-1]]
     run = secrets.token_hex(4)
-    tokens = {shape: synthetic_prompt(vocab_size, salt, shape[1]) for salt, shape in enumerate(shapes)}
-    ids = {shape: calibration_id(run, i) for i, shape in enumerate(shapes)}
+    # the request each shape runs in: its own, but one for all the long sizes (one long prefill)
+    owner = {shape: shape if shape[1] == PROMPT_LEN else shapes[len(sizes)] for shape in shapes}
+    tokens = {shape: synthetic_prompt(vocab_size, salt, shape[1]) for salt, shape in enumerate(shapes)
+              if owner[shape] == shape}
+    ids = {shape: calibration_id(run, i) for i, shape in enumerate(tokens)}
     times = RunTimes()
     layers = drafts.feature_layers if drafts is not None else ()
-    states: dict[tuple[int, int], list] = {shape: [] for shape in shapes}  # what a feature-level draft is sent
+    states: dict[tuple[int, int], list] = {shape: [] for shape in tokens}  # what a feature-level draft is sent
     for rnd in range(REPEATS + 1):  # round 0 is the prefill
         for shape in shapes:
-            rid, n = ids[shape], shape[0]
+            key, n = owner[shape], shape[0]
+            rid = ids[key]
             t0 = time.perf_counter()
-            reply = await verifiers.step(rnd, [Work(rid, tokens[shape], params, state_layers=layers,
+            reply = await verifiers.step(rnd, [Work(rid, tokens[key], params, state_layers=layers,
                                                     tree=synthetic_chain(n if rnd else 0, vocab_size))])
             if rid not in reply.results:
                 raise RuntimeError(f"the verifier did not answer the warm-up's {n}-node step")
             if rnd:
                 times.add(shape, t0, reply)
-            tokens[shape] = tokens[shape] + list(reply.results[rid].tokens)
+            tokens[key] = tokens[key] + list(reply.results[rid].tokens)
             if reply.results[rid].states is not None:
-                states[shape].append(reply.results[rid].states)
+                states[key].append(reply.results[rid].states)
     fit_verify(latency, times.settled())
     for rid in ids.values():
         verifiers.release(rid)
