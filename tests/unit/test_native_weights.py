@@ -25,6 +25,7 @@ from gguf.quants import dequantize, quantize
 from services.common.gguf_blocks import BlockTensor, read_blocks
 from services.common.llama import Chunk
 from services.common.loading import default_gguf_path, load_model, load_weights
+from services.common.prompt import encode_prompt
 from services.common import cpu_kernels, qmatmul, quant
 from services.common.quant import int4_linear, pack
 from services.common.sampling import SamplingParams
@@ -340,6 +341,23 @@ def test_greedy_speculation_on_native_weights_equals_plain(request, route, k, tr
     out = spec.generate(prompts, params)
     assert [r.output_ids for r in out] == [r.output_ids for r in plain]
     assert sum(r.stats.accepted for r in out) > 0  # speculation did accept tokens
+
+
+def test_chunked_prefill_on_native_weights_gives_plain_decodings_tokens(default_native):
+    """Chat prompts joining two batch slots over several steps (16-row chunks) while the other
+    decodes, n-gram k = 4: the tokens of plain decoding with every prompt prefilled whole (while
+    a prompt's rows took torch's attention kernel, 2 of these 5 answers differed)."""
+    texts = ["Write a short poem about the sea and the wind.", "Explain why the sky is blue in two sentences.",
+             "List three uses of a paperclip.", "What is the capital of France? Answer with one sentence.",
+             "Summarize: The quick brown fox jumps over the lazy dog. The dog sleeps. The fox runs into the "
+             "forest and finds a river."]
+    prompts = [encode_prompt(default_native.tokenizer, t, chat=True) for t in texts]
+    params = SamplingParams(max_tokens=32, temperature=0.0)
+    whole = Engine(default_native, None, StepConfig(draft_length=0, max_batch=1, max_step_tokens=0, target_itl_ms=0),
+                   warm_up=False).generate(prompts, params)
+    chunked = Engine(default_native, NgramProposer(), StepConfig(draft_length=4, max_batch=2, max_step_tokens=16),
+                     warm_up=False).generate(prompts, params)
+    assert [r.output_ids for r in chunked] == [r.output_ids for r in whole]
 
 
 class _NativeAsHF:
