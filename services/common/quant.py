@@ -3,8 +3,8 @@
 `native_weight` takes the CPU kernels of `services.common.qmatmul` where they build on this
 machine: integer dot products on int8-rounded activations (`TileWeight`: Q4_0, Q4_1 and Q8_0
 weights whose outputs come in sixteens), else the float32 block kernel (`BlockWeight`); torch's
-int4 CPU matmul (below) where they do not. `SPECSERVE_NATIVE_MATMUL=float` keeps every weight on the float32 kernel, `int4` forces
-torch's route (comparisons). All hold the weights at the file's size.
+int4 CPU matmul (below) where they do not. `SPECSERVE_NATIVE_MATMUL=float` keeps every weight on
+the float32 kernel, `int4` forces torch's route (comparisons). All hold the weights at the file's size.
 
 torch's `_weight_int4pack_mm_for_cpu` computes x @ w.T with w = (q - 8) * scale + zero per group
 of 32 inputs, q in 0..15: exactly the form of GGUF's 32-value blocks. Q4_0 (value (q - 8) * d) is

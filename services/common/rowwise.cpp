@@ -92,7 +92,6 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return y;
 }
 
-
 // Each row's index of its largest value, the first where several tie, as torch.argmax (a row
 // holding NaN: its first NaN, likewise): the row's max, then the first value equal to it.
 at::Tensor argmax_rows(const at::Tensor& x) {

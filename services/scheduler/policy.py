@@ -103,9 +103,10 @@ def evaluate(cands: list[Candidate], ks: list[int], cost: LatencyModel,
     return tokens, cost.step_ms(_shape(cands, ks, depth, large))
 
 
-def _level_tokens(c: Candidate, lam: float, dw: list[float], cost: LatencyModel) -> float:
-    """What one more level of c's draft costs, in tokens at the ratio lam."""
-    return lam * (dw[2] * c.width + cost.node_ms(c.context) * c.verified(1))
+def _level_tokens(c: Candidate, lam: float, dw: list[float], node_ms: float) -> float:
+    """What one more level of c's draft costs, in tokens at the ratio lam (`node_ms`: c's verify
+    ms per node)."""
+    return lam * (dw[2] * c.width + node_ms * c.verified(1))
 
 
 def _last_paying(c: Candidate, lo: int, hi: int, per_level: float) -> int:
@@ -127,7 +128,7 @@ def _deepest_useful_cap(cands: list[Candidate], lam: float, cost: LatencyModel) 
     cannot pay the depth term the level adds. Those net gains only fall with depth and with lam,
     so a binary search finds it, and it holds for the rest of the search."""
     dw = cost.draft.weights
-    per_level = [_level_tokens(c, lam, dw, cost) for c in cands]
+    per_level = [_level_tokens(c, lam, dw, cost.node_ms(c.context)) for c in cands]
 
     def pays(level: int) -> bool:
         net = sum(max(0.0, c.gains[level] - c.gains[level - 1] - p) for c, p in zip(cands, per_level)
@@ -156,7 +157,7 @@ def _choose(cands: list[Candidate], cap: int, lam: float, cost: LatencyModel) ->
 
     def best(i: int, r: range) -> int:
         c = cands[i]
-        lo = _last_paying(c, max(r.start, 1), r.stop - 1, _level_tokens(c, lam, dw, cost))
+        lo = _last_paying(c, max(r.start, 1), r.stop - 1, _level_tokens(c, lam, dw, node_ms[i]))
         if r.start == 0 and (lo > r.stop - 1 or value(i, 0) >= value(i, lo)):
             return 0
         return lo
