@@ -4,8 +4,9 @@
   within the draft length k it was given) and whether each was accepted; the unit every count
   below is made of.
 - `Acceptance`: one request's per-depth alpha_d = P(a depth-d draft token is offered and
-  accepted | the path reached depth d - 1, k >= d), its own decayed counts over a prior. The
-  planner (policy.py, via controller.py) prices each request's draft length with it.
+  accepted | the path reached depth d - 1, k >= d), its own decayed counts over a prior, and how
+  many nodes its trees hold for verification per draft token accepted. The planner (policy.py,
+  via controller.py) prices each request's draft length with both.
 - `AcceptanceStats`: weighted judged/accepted counts per depth, trusted from MIN_JUDGED
   observations on; the priors (priors.py) keep one per request class, locally and summed from
   Redis, and seed each new request's `Acceptance` with its rates.
@@ -57,14 +58,24 @@ class Acceptance:
         self.prior = (list(self.prior) + [None] * self.max_depth)[: self.max_depth]
         self.judged = [0.0] * self.max_depth
         self.accepted = [0.0] * self.max_depth
+        self.kept = 0.0  # nodes its verified trees held (decayed like the counts above)
+        self.hits = 0.0  # draft tokens those trees got accepted
 
-    def observe(self, k: int, accepted: int) -> None:
-        """One step given draft length k: decay what is known, then count its outcomes."""
+    def observe(self, k: int, accepted: int, kept: int | None = None) -> None:
+        """One step given draft length k: decay what is known, then count its outcomes; `kept`:
+        the nodes its verified tree held."""
         self.judged = [v * self.decay for v in self.judged]
         self.accepted = [v * self.decay for v in self.accepted]
         for d, ok in depth_outcomes(min(k, self.max_depth), accepted):
             self.judged[d - 1] += 1.0
             self.accepted[d - 1] += 1.0 if ok else 0.0
+        self.kept = self.kept * self.decay + (kept or 0)
+        self.hits = self.hits * self.decay + (accepted if kept is not None else 0)
+
+    def kept_per_token(self, prior: float) -> float:
+        """Nodes its trees held for verification per draft token accepted, over `prior` (what
+        every request's trees held lately) worth `prior_weight` tokens."""
+        return (self.kept + self.prior_weight * prior) / (self.hits + self.prior_weight)
 
     def rates(self) -> list[float]:
         out, above = [], self.default

@@ -25,6 +25,7 @@ from services.scheduler.trim import trim, trimmable
 log = logging.getLogger(__name__)
 
 PROBE_BACKOFF = 8  # a request's probe interval grows to at most this many times probe_interval
+SHARED_DECAY = 0.99  # per request-step, for the nodes verified per token over all requests
 
 PriorLookup = Callable[[str], list]  # request class -> [alpha_1..alpha_max or None]
 
@@ -92,11 +93,15 @@ class DraftController:
         self.scales: dict[str, RequestScale] = {}  # request -> how its nodes fare vs the calibration
         self.proposed_nodes = 0  # draft nodes proposed, and kept for verification after trimming
         self.kept_nodes = 0
+        # The nodes every request's verified trees held and the draft tokens accepted (decayed):
+        # each request's prior for its own nodes per token.
+        self.shared_kept = self.shared_hits = 0.0
 
     # -- requests ------------------------------------------------------------------------------
     def add(self, req_id: str, request_class: str = "default", greedy: bool = False) -> None:
         """A new request; `greedy`: its trees are known to be trimmable from the first step
-        (trim.trimmable), so the planner prices its depth at the drafting cost alone."""
+        (trim.trimmable), so the planner prices its depth by drafting it and verifying the nodes
+        the trim keeps for what it adds (policy.Candidate)."""
         self.classes[req_id] = request_class
         self.accept[req_id] = Acceptance(self.config.max_draft_length, self.priors(request_class))
         if greedy:
@@ -123,7 +128,8 @@ class DraftController:
             cfg = self.config
             cands = [Candidate(rid, self.accept[rid].rates(), max_k=min(cap, cfg.max_draft_length),
                                min_k=cfg.min_draft_length, width=cfg.tree_width, trimmed=self.trimmed.get(rid, False),
-                               context=contexts.get(rid, 0))
+                               context=contexts.get(rid, 0),
+                               kept_per_token=self.accept[rid].kept_per_token(self._kept_prior()))
                      for rid, cap in caps.items()]
             self.last_plan = plan(cands, self.latency)
             for rid, k in self.last_plan.k.items():
@@ -150,8 +156,8 @@ class DraftController:
         trimmed without bias (`trimmable`) cut to the nodes worth verifying (see trim.py); and
         the confidences of the trimmed trees' nodes for `observe_nodes` (None for a tree left as
         proposed). `contexts`: the tokens each tree's request holds (default 0); `context`: the
-        whole batch's (StepShape.context). The planner then counts only drafting as the price of a
-        trimmed request's depth."""
+        whole batch's (StepShape.context). The planner then prices a trimmed request's depth by
+        drafting it and verifying the nodes such trees keep for what they add (policy.Candidate)."""
         adaptive = adaptive or [True] * len(trees)
         contexts = contexts or [0] * len(trees)
         which = [i for i, (t, g, a) in enumerate(zip(trees, greedy, adaptive)) if a and len(t) and trimmable(t, g)]
@@ -183,15 +189,16 @@ class DraftController:
 
     # -- learning -------------------------------------------------------------------------------
     def observe(self, shape: StepShape, draft_ms: float, verify_ms: float,
-                outcomes: dict[str, tuple[int, int, int, int]], prefill: bool = False) -> None:
+                outcomes: dict[str, tuple[int, int, int, int, int]], prefill: bool = False) -> None:
         """One step: its shape and latencies, and per request (the draft length k it was given,
-        the depth of its verified tree, draft tokens accepted, output tokens). `prefill`: the step
-        also ran a prompt (a request's first step, or a replica re-prefilling one), whose cost no
-        draft shape explains; its latencies are left out of the latency model (a prompt of a few
-        hundred tokens looked like a costly step with few nodes and pulled the per-node cost to zero)."""
+        the depth of its verified tree, draft tokens accepted, output tokens, the verified tree's
+        nodes). `prefill`: the step also ran a prompt (a request's first step, or a replica
+        re-prefilling one), whose cost no draft shape explains; its latencies are left out of the
+        latency model (a prompt of a few hundred tokens looked like a costly step with few nodes
+        and pulled the per-node cost to zero)."""
         if not prefill:
             self.latency.observe(shape, draft_ms, verify_ms)
-        for rid, (k, depth, accepted, output) in outcomes.items():
+        for rid, (k, depth, accepted, output, kept) in outcomes.items():
             acc = self.accept.get(rid)
             if acc is None:
                 continue
@@ -199,7 +206,10 @@ class DraftController:
             self._probed(rid, accepted)
             self.predicted_tokens += expected_tokens(acc.rates(), k)
             self.observed_tokens += output
-            acc.observe(k, accepted)
+            acc.observe(k, accepted, kept)
+            if k:
+                self.shared_kept = self.shared_kept * SHARED_DECAY + kept
+                self.shared_hits = self.shared_hits * SHARED_DECAY + accepted
             if depth:
                 self.recent_drafted = self.recent_drafted * 0.99 + depth
                 self.recent_accepted = self.recent_accepted * 0.99 + accepted
@@ -207,6 +217,11 @@ class DraftController:
         if rejected > self.config.rejection_alert and self._may_log("rejection"):
             log.warning("draft rejection rate exceeded threshold (%.0f%%): %.0f%% of recent draft tokens rejected",
                         100 * self.config.rejection_alert, 100 * rejected)
+
+    def _kept_prior(self) -> float:
+        """Nodes verified per draft token accepted, over all requests lately (before any: 1, every
+        node verified is accepted)."""
+        return self.shared_kept / self.shared_hits if self.shared_hits >= 1.0 else 1.0
 
     def _probed(self, rid: str, accepted: int) -> None:
         """A probe whose level was accepted keeps the base interval; one that failed doubles it."""

@@ -241,7 +241,8 @@ class StepCore:
             self.prefill.observe(report.verify_ms, decoding, trees, verified.fresh)
         if self.controller is not None and report.outcomes:
             shape = self._shape(held, trees, drafted, proposed)
-            outcomes = {o.req.req_id: (o.draft_length, o.depth, o.accepted, o.output) for o in report.outcomes}
+            outcomes = {o.req.req_id: (o.draft_length, o.depth, o.accepted, o.output, len(o.tree))
+                        for o in report.outcomes}
             self.controller.observe(shape, report.draft_ms, report.verify_ms, outcomes,
                                     prefill=bool(verified.fresh or fresh or chunks))
         for o in report.outcomes:  # after the controller learnt from their last step

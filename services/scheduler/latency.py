@@ -55,7 +55,7 @@ class RowCurve:
         span = rows[-1] - 1
         self.slope = self.ms[-1] / span if span else 0.0
 
-    def __call__(self, rows: int) -> float:
+    def __call__(self, rows: float) -> float:
         if rows <= 1:
             return 0.0
         if rows >= self.rows[-1]:
@@ -75,38 +75,42 @@ class StepShape:
     drafting: int
     nodes: int  # proposed
     depth: int
-    verified: int | None = None  # nodes verified, when trimming kept fewer than were proposed
+    verified: float | None = None  # nodes verified, when trimming kept fewer (planned: expected)
 
     # True: charge the route step whatever the rows (the planner's Dinkelbach search, see plan)
     large: bool = False
     context: float = 0.0  # sum over requests of the tokens each holds before the step, / CONTEXT_UNIT
     node_context: float = 0.0  # sum over requests of verified nodes x tokens held, / CONTEXT_UNIT
+    # Planned: the verified nodes that count toward the route step (None: all). Those of trees
+    # still to be trimmed do not: the trim sees the step and crosses it only where that pays.
+    routed: float | None = None
 
     @property
-    def verified_nodes(self) -> int:
+    def verified_nodes(self) -> float:
         return self.nodes if self.verified is None else self.verified
 
     def verify_features(self, route_rows: int, curve: RowCurve | None = None) -> tuple[float, ...]:
         return verify_features(self.batch, self.verified_nodes, route_rows, curve, self.large, self.context,
-                               self.node_context)
+                               self.node_context, self.routed)
 
     def draft_features(self) -> tuple[float, ...]:
         return draft_features(self.drafting, self.nodes, self.depth)
 
 
-def verify_features(batch: int, verified: int, route_rows: int, curve: RowCurve | None = None,
-                    large: bool = False, context: float = 0.0, node_context: float = 0.0) -> tuple[float, ...]:
+def verify_features(batch: int, verified: float, route_rows: int, curve: RowCurve | None = None,
+                    large: bool = False, context: float = 0.0, node_context: float = 0.0,
+                    routed: float | None = None) -> tuple[float, ...]:
     """[1, batch, verified nodes, past the route step?, the row curve at batch + nodes, context,
     node context] for a verifier whose matmul changes route past `route_rows` rows (0: never;
-    `large`: charge the step whatever the rows); the curve's term is 0 without a measured curve;
-    the context terms are StepShape's."""
+    `large`: charge the step whatever the rows; `routed`: the nodes that count toward it, if not
+    all); the curve's term is 0 without a measured curve; the context terms are StepShape's."""
     rows = batch + verified
-    past = route_rows > 0 and (large or rows > route_rows)
+    past = route_rows > 0 and (large or batch + (verified if routed is None else routed) > route_rows)
     return (1.0, float(batch), float(verified), 1.0 if past else 0.0, curve(rows) if curve is not None else 0.0,
             float(context), float(node_context))
 
 
-def row_context(rows: int, tokens: int) -> float:
+def row_context(rows: float, tokens: int) -> float:
     """`rows` rows of a request holding `tokens` tokens, in the context terms' unit."""
     return rows * tokens / CONTEXT_UNIT
 
@@ -256,14 +260,16 @@ class LatencyModel:
         return self._ms(shape.verify_features(self.route_rows, self.curve),
                         shape.draft_features() if shape.drafting else None)
 
-    def single_ms(self, max_k: int, width: int = 1, verified_per_level: int | None = None,
+    def single_ms(self, max_k: int, width: int = 1, verified: list[float] | None = None,
                   tokens: int = 0) -> list[float]:
         """[step_ms of one request holding `tokens` tokens alone, drafting k deep, for k =
-        0..max_k]: k * width nodes, of which k * verified_per_level are verified (default: all).
-        The planner prices every k of a lone request each step; this skips a StepShape per k."""
-        per_level = width if verified_per_level is None else verified_per_level
-        return [self._ms(verify_features(1, k * per_level, self.route_rows, self.curve, False,
-                                         row_context(1, tokens), row_context(k * per_level, tokens)),
+        0..max_k]: k * width nodes, of which verified[k] are verified once its tree is trimmed
+        (default: all, untrimmed). The planner prices every k of a lone request each step; this
+        skips a StepShape per k."""
+        nodes = verified if verified is not None else [k * width for k in range(max_k + 1)]
+        routed = None if verified is None else 0.0
+        return [self._ms(verify_features(1, nodes[k], self.route_rows, self.curve, False, row_context(1, tokens),
+                                         row_context(nodes[k], tokens), routed),
                          draft_features(1, k * width, k) if k else None) for k in range(max_k + 1)]
 
     def _ms(self, verify_x: tuple[float, ...], draft_x: tuple[float, ...] | None) -> float:

@@ -58,18 +58,24 @@ class Candidate:
     max_k: int  # this request's cap (remaining tokens, the draft's context, max_draft_length)
     min_k: int = 0
     width: int = 1  # tree nodes per level (1 = a chain)
-    # Its tree is trimmed once proposed (trim.py): only nodes that pay for their verification are
-    # verified, so proposing deeper costs drafting only.
+    # Its tree is trimmed once proposed (trim.py): the trim verifies only the nodes that pay for
+    # it, `kept_per_token` of them per draft token they get accepted (Acceptance.kept_per_token;
+    # 0: free), so a level's verification is charged in proportion to what it adds. (Nodes kept
+    # and tokens gained go together: a long, sure match is verified deep, a weak one not at all.)
     trimmed: bool = False
     context: int = 0  # tokens it holds (each of its rows attends to them: LatencyModel's context terms)
+    kept_per_token: float = 0.0
     gains: list[float] = field(init=False, repr=False)  # gains[k] = E(k) for k = 0..max_k
+    nodes: list[float] = field(init=False, repr=False)  # nodes[k]: verified when drafting k deep
 
     def __post_init__(self):
         self.gains = expected_gains(self.rates, self.max_k)
+        self.nodes = ([(g - 1.0) * self.kept_per_token for g in self.gains] if self.trimmed
+                      else [float(k * self.width) for k in range(self.max_k + 1)])
 
-    def verified(self, k: int) -> int:
-        """Nodes verified when it drafts k deep (none before trimming, for a trimmed request)."""
-        return 0 if self.trimmed else k * self.width
+    def verified(self, k: int) -> float:
+        """Nodes verified when it drafts k deep."""
+        return self.nodes[k]
 
 
 @dataclass
@@ -91,7 +97,8 @@ def _shape(cands: list[Candidate], ks: list[int], depth: int | None = None, larg
     deepest = max(ks, default=0) if depth is None or not drafting else depth
     context = sum(row_context(1, c.context) for c in cands)
     node_context = sum(row_context(c.verified(k), c.context) for c, k in zip(cands, ks))
-    return StepShape(len(cands), drafting, nodes, deepest, verified, large, context, node_context)
+    routed = sum(c.verified(k) for c, k in zip(cands, ks) if not c.trimmed)  # whole levels: exact sums
+    return StepShape(len(cands), drafting, nodes, deepest, verified, large, context, node_context, routed)
 
 
 def evaluate(cands: list[Candidate], ks: list[int], cost: LatencyModel,
@@ -103,19 +110,28 @@ def evaluate(cands: list[Candidate], ks: list[int], cost: LatencyModel,
     return tokens, cost.step_ms(_shape(cands, ks, depth, large))
 
 
-def _level_tokens(c: Candidate, lam: float, dw: list[float], node_ms: float) -> float:
-    """What one more level of c's draft costs, in tokens at the ratio lam (`node_ms`: c's verify
-    ms per node)."""
-    return lam * (dw[2] * c.width + node_ms * c.verified(1))
+def _value(c: Candidate, lam: float, dw: list[float], node_ms: float, k: int) -> float:
+    """E(k) - lam * (the ms c's own k adds to the step): drafting's per-request and per-node
+    terms, and verifying its nodes at `node_ms` each."""
+    return c.gains[k] - lam * (dw[2] * k * c.width + node_ms * c.nodes[k] + (dw[1] if k else 0.0))
 
 
-def _last_paying(c: Candidate, lo: int, hi: int, per_level: float) -> int:
-    """The last k in [lo, hi] (lo >= 1) whose increment E(k) - E(k - 1) beats per_level, else lo.
-    Past k = 0 a level's cost is linear in k and E(k) is concave (its increments, path
-    probabilities, never grow), so the paying levels are a prefix: a binary search."""
+def _level(c: Candidate, lam: float, dw: list[float], node_ms: float) -> tuple[float, float]:
+    """(keep, cost): a level of c's draft adds keep * (E(k) - E(k - 1)) - cost, in tokens at the
+    ratio lam (`node_ms`: c's verify ms per node): drafting it, and verifying its nodes, or for a
+    trimmed request the nodes the trim keeps for what it adds."""
+    if c.trimmed:
+        return 1.0 - lam * node_ms * c.kept_per_token, lam * dw[2] * c.width
+    return 1.0, lam * (dw[2] + node_ms) * c.width
+
+
+def _last_paying(c: Candidate, lo: int, hi: int, keep: float, cost: float) -> int:
+    """The last k in [lo, hi] (lo >= 1) whose level pays (`_level`), else lo. A level's cost is
+    the same at every depth and E(k) is concave (its increments, path probabilities, never
+    grow), so the paying levels are a prefix: a binary search."""
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if c.gains[mid] - c.gains[mid - 1] > per_level:
+        if keep * (c.gains[mid] - c.gains[mid - 1]) > cost:
             lo = mid
         else:
             hi = mid - 1
@@ -128,11 +144,11 @@ def _deepest_useful_cap(cands: list[Candidate], lam: float, cost: LatencyModel) 
     cannot pay the depth term the level adds. Those net gains only fall with depth and with lam,
     so a binary search finds it, and it holds for the rest of the search."""
     dw = cost.draft.weights
-    per_level = [_level_tokens(c, lam, dw, cost.node_ms(c.context)) for c in cands]
+    levels = [_level(c, lam, dw, cost.node_ms(c.context)) for c in cands]
 
     def pays(level: int) -> bool:
-        net = sum(max(0.0, c.gains[level] - c.gains[level - 1] - p) for c, p in zip(cands, per_level)
-                  if c.max_k >= level)
+        net = sum(max(0.0, keep * (c.gains[level] - c.gains[level - 1]) - price)
+                  for c, (keep, price) in zip(cands, levels) if c.max_k >= level)
         return net > lam * dw[3]
 
     lo, hi = 0, max(c.max_k for c in cands)
@@ -147,36 +163,36 @@ def _deepest_useful_cap(cands: list[Candidate], lam: float, cost: LatencyModel) 
 
 def _choose(cands: list[Candidate], cap: int, lam: float, cost: LatencyModel) -> list[int]:
     """Maximize sum_i E_i(k_i) - lam * T(k) over k_i <= cap, with the draft's depth term charged
-    at the cap. Without the shared terms the problem separates by request."""
+    at the cap. Without the shared terms the problem separates by request: each one's best k >= 1
+    (`_last_paying`), or 0 where that is worth more."""
     dw = cost.draft.weights  # [1, drafting, nodes, depth]
-    node_ms = [cost.node_ms(c.context) for c in cands]  # verify ms per node of each
-
-    def value(i: int, k: int) -> float:
-        c = cands[i]
-        return c.gains[k] - lam * (dw[2] * k * c.width + node_ms[i] * c.verified(k) + (dw[1] if k else 0.0))
-
-    def best(i: int, r: range) -> int:
-        c = cands[i]
-        lo = _last_paying(c, max(r.start, 1), r.stop - 1, _level_tokens(c, lam, dw, node_ms[i]))
-        if r.start == 0 and (lo > r.stop - 1 or value(i, 0) >= value(i, lo)):
-            return 0
-        return lo
-
-    ranges = [range(min(c.min_k, min(cap, c.max_k)), min(cap, c.max_k) + 1) for c in cands]
-    ks = [best(i, r) for i, r in enumerate(ranges)]
-    if any(ks) and all(r.start == 0 for r in ranges):  # or draft nothing and skip the shared terms
-        drafting = sum(value(i, k) for i, k in enumerate(ks)) - lam * (dw[0] + dw[3] * cap)
-        if sum(value(i, 0) for i in range(len(cands))) >= drafting:
+    ks, zeros, chosen = [], [], []  # each one's k, and its value at 0 (None: not allowed) and at k
+    for c in cands:
+        r = range(min(c.min_k, min(cap, c.max_k)), min(cap, c.max_k) + 1)
+        node_ms = cost.node_ms(c.context)
+        zero = _value(c, lam, dw, node_ms, 0) if r.start == 0 else None
+        k, v = 0, zero
+        if r.stop > 1:
+            k = _last_paying(c, max(r.start, 1), r.stop - 1, *_level(c, lam, dw, node_ms))
+            v = _value(c, lam, dw, node_ms, k)
+            if zero is not None and zero >= v:
+                k, v = 0, zero
+        ks.append(k)
+        zeros.append(zero)
+        chosen.append(v)
+    if any(ks) and all(z is not None for z in zeros):  # or draft nothing and skip the shared terms
+        if sum(zeros) >= sum(chosen) - lam * (dw[0] + dw[3] * cap):
             ks = [0] * len(cands)
     return ks
 
 
 def _small_shapes(cands: list[Candidate], cost: LatencyModel) -> tuple[list[int] | None, float]:
     """The best choice of k whose verify forward stays within `route_rows` rows (none past a few
-    requests, nor without a route step), and its ratio. Only untrimmed requests add rows before
-    trimming: their k are enumerated within the room, and for each such choice the trimmed
-    requests' k are searched as in `_search_caps`, the route step not charged (enumerating theirs
-    too grew as (max_k + 1) ** requests: 17 ** 8 shapes for 8 greedy requests at route_rows 8)."""
+    requests, nor without a route step), and its ratio. Only untrimmed requests' rows count toward
+    the step (StepShape.routed): their k are enumerated within the room, and for each such choice
+    the trimmed requests' k are searched as in `_search_caps`, the route step not charged
+    (enumerating theirs too grew as (max_k + 1) ** requests: 17 ** 8 shapes for 8 greedy requests
+    at route_rows 8)."""
     room = cost.route_rows - len(cands)
     if cost.route_rows <= 0 or room < 0:
         return None, -1.0
@@ -228,7 +244,7 @@ def plan(cands: list[Candidate], cost: LatencyModel) -> Plan:
 def _one_request(c: Candidate, cost: LatencyModel, lowest: int) -> int:
     """One request's best k: every k at its true cost (exact with a row curve too)."""
     best_k, best_ratio = lowest, -1.0
-    costs = cost.single_ms(c.max_k, c.width, c.verified(1), c.context)  # costs[k]: the step's ms drafting k deep
+    costs = cost.single_ms(c.max_k, c.width, c.nodes if c.trimmed else None, c.context)  # [k]: ms drafting k deep
     for k in range(lowest, c.max_k + 1):
         ms = costs[k]
         if c.gains[k] / ms > best_ratio * (1 + 1e-12):

@@ -1,5 +1,7 @@
 """DraftController: the per-request decisions around the plan (probes, the greedy hint)."""
 
+import pytest
+
 from services.scheduler.controller import ControllerConfig, DraftController
 from services.scheduler.latency import LatencyModel, StepShape
 
@@ -17,7 +19,7 @@ def run(ctl: DraftController, rid: str, steps: int, accept_all: bool) -> list[in
         k = ctl.choose({rid: 4})[rid].k
         ks.append(k)
         accepted = k if accept_all else 0
-        ctl.observe(StepShape(1, 1 if k else 0, k, k), 0.0, 10.0 + 3.0 * k, {rid: (k, k, accepted, accepted + 1)})
+        ctl.observe(StepShape(1, 1 if k else 0, k, k), 0.0, 10.0 + 3.0 * k, {rid: (k, k, accepted, accepted + 1, k)})
     return ks
 
 
@@ -72,15 +74,23 @@ def test_probes_of_a_draft_that_never_pays_back_off():
     assert [b - a for a, b in zip(probes, probes[1:])] == [17, 33, 65, 65, 65]
 
 
-def test_greedy_requests_are_priced_as_trimmed_from_their_first_step():
-    """A greedy request's tree is always trimmable, so its depth costs drafting only from the
-    start (trimming then keeps the nodes that pay); a sampling one's first plan pays per node."""
-    ctl = controller(prior=0.2)
-    ctl.add("greedy", greedy=True)
-    ctl.add("sampled", greedy=False)
-    chosen = ctl.choose({"greedy": 4, "sampled": 4})
-    assert chosen["greedy"].k == 4
-    assert chosen["sampled"].k == 0
+def test_a_greedy_request_pays_for_the_nodes_its_trimmed_trees_keep():
+    """A greedy request's tree is trimmed once proposed; its levels are charged for the nodes the
+    trim keeps per draft token accepted, which its own trees teach the controller, over what every
+    request's trees held lately (before any: 1). Two requests whose first draft token is always
+    accepted and the second never (E(4) about 2), 3 ms a node on a 10 ms step: trees that hold 4
+    nodes per accepted token do not pay (2 tokens in 22 ms against 1 in 10), 1 node does."""
+    ctl = controller(prior=0.5)
+    ctl.config.probe_interval = 10**9
+    assert ctl._kept_prior() == 1.0
+    ctl.add("a", greedy=True)
+    ctl.add("b", greedy=True)
+    for _ in range(40):
+        ctl.observe(StepShape(2, 2, 8, 4), 0.0, 25.0, {"a": (4, 4, 1, 2, 4), "b": (4, 1, 1, 2, 1)})
+    assert ctl.choose({"a": 4})["a"].k == 0
+    assert ctl.choose({"b": 4})["b"].k == 4
+    assert ctl.accept["a"].kept_per_token(1.0) == pytest.approx(4.0, rel=0.15)  # 4 over a fading prior
+    assert ctl._kept_prior() == pytest.approx(2.5, rel=0.01)  # a newcomer's: (4 + 1) / (1 + 1)
 
 
 def test_a_draft_that_stops_early_is_priced_by_what_it_offers():
@@ -98,7 +108,8 @@ def test_a_draft_that_stops_early_is_priced_by_what_it_offers():
         k = ctl.choose({"r": 4})["r"].k
         ks.append(k)
         depth = min(k, 1)
-        ctl.observe(StepShape(1, 1 if k else 0, depth, depth), float(k), 10.0, {"r": (k, depth, depth, depth + 1)})
+        ctl.observe(StepShape(1, 1 if k else 0, depth, depth), float(k), 10.0,
+                    {"r": (k, depth, depth, depth + 1, depth)})
     assert ks[0] == 4  # the prior says every level pays
     tail = ks[-32:]  # depth 2 is re-tried as its failures fade toward the prior
     assert max(tail) <= 2 and tail.count(1) >= 24

@@ -43,8 +43,9 @@ def test_plan_matches_brute_force_on_random_batches(seed):
     for i in range(rng.randint(1, 4)):
         rates = [rng.uniform(0.0, 1.0) ** rng.choice([0.3, 1, 3]) for _ in range(5)]
         cands.append(Candidate(f"r{i}", rates, max_k=rng.randint(0, 5), min_k=rng.choice([0, 0, 0, 1]),
-                               width=rng.choice([1, 1, 2, 3]), trimmed=rng.random() < 0.2,
-                               context=rng.choice([0, 40, 900, 3000])))
+                               width=rng.choice([1, 1, 2, 3]), trimmed=rng.random() < 0.3,
+                               context=rng.choice([0, 40, 900, 3000]),
+                               kept_per_token=rng.choice([0.0, rng.uniform(0.5, 4)])))
     got = plan(cands, cost)
     want, want_ratio = brute_force(cands, cost)
     assert got.tokens_per_s / 1e3 == pytest.approx(want_ratio, rel=1e-9), (got.k, want)
@@ -52,15 +53,17 @@ def test_plan_matches_brute_force_on_random_batches(seed):
 
 @pytest.mark.parametrize("seed", range(40))
 def test_plan_matches_brute_force_with_greedy_requests_under_the_route_step(seed):
-    # Greedy requests' trees are trimmed, so they add no rows before trimming: every choice of
-    # their k stays under the route step, where the search must still find the optimum.
+    # Greedy requests' trees are trimmed, and the trim crosses the route step only where that
+    # pays, so the nodes they keep do not count toward it: every choice of their k stays under the
+    # step, where the search must still find the optimum.
     rng = random.Random(1000 + seed)
     cost = latency(verify=(rng.uniform(5, 50), rng.uniform(0, 5), rng.uniform(0.1, 8), rng.choice([0, 12, 40])),
                    draft=(rng.uniform(0, 5), rng.uniform(0, 2), rng.uniform(0, 3), rng.choice([0.0, rng.uniform(0, 6)])),
                    route_rows=rng.choice([3, 5, 8]))
     cands = [Candidate(f"r{i}", [rng.uniform(0.0, 1.0) ** rng.choice([0.3, 1, 3]) for _ in range(4)],
                        max_k=rng.randint(0, 4), min_k=rng.choice([0, 0, 1]), width=rng.choice([1, 2]),
-                       trimmed=rng.random() < 0.8) for i in range(rng.randint(2, 5))]
+                       trimmed=rng.random() < 0.8, kept_per_token=rng.choice([0.0, rng.uniform(0.5, 3)]))
+             for i in range(rng.randint(2, 5))]
     got = plan(cands, cost)
     want, want_ratio = brute_force(cands, cost)
     assert got.tokens_per_s / 1e3 == pytest.approx(want_ratio, rel=1e-9), (got.k, want)
@@ -79,10 +82,26 @@ def test_plan_work_does_not_grow_with_the_greedy_requests_choices():
         return step_ms(shape)
 
     cost.step_ms = counted
-    cands = [Candidate(f"r{i}", [0.9 - 0.05 * i] * 16, max_k=16, trimmed=True) for i in range(8)]
+    cands = [Candidate(f"r{i}", [0.9 - 0.05 * i] * 16, max_k=16, trimmed=True, kept_per_token=1.5)
+             for i in range(8)]
     got = plan(cands, cost)
     assert calls < 2000
     assert any(got.k.values())
+
+
+def test_a_trimmed_request_pays_for_the_nodes_the_trim_keeps():
+    """A trimmed request's levels cost drafting (free here) and the nodes the trim keeps for what
+    they add: kept_per_token nodes per draft token accepted, 3 ms a node on a 10 ms step, alpha 0.2
+    (E(4) = 1.25). Alone, 2 nodes a token pay (1.25 tokens in 11.5 ms against 1 in 10) and 4 do
+    not; two requests share the step's 10 ms, so their drafts must pay against 2 tokens in 10 ms:
+    1 node a token does, 2 do not. Charged, a request drafts all 4 levels or none. (Charging no
+    node let 8 streams plan steps that ran 0.85x plain decoding's tokens per ms: BENCHMARKS.md.)"""
+    cost = latency(verify=(10.0, 0.0, 3.0), draft=(0.0, 0.0, 0.0, 0.0), route_rows=0)
+    for n, cheap, dear in ((1, 2.0, 4.0), (2, 1.0, 2.0)):
+        for per_token, want in ((cheap, {4}), (dear, {0})):
+            cands = [Candidate(f"r{i}", [0.2] * 4, 4, trimmed=True, kept_per_token=per_token) for i in range(n)]
+            assert set(plan(cands, cost).k.values()) == want, (n, per_token)
+            assert plan(cands, cost).tokens_per_s == pytest.approx(1e3 * max(brute_force(cands, cost)[1], 0))
 
 
 def test_route_step_keeps_a_single_request_below_it():
@@ -221,8 +240,8 @@ def test_single_request_plan_is_exact_under_a_row_curve():
     assert k == want == 5
 
 
-@pytest.mark.parametrize("width,verified_per_level", [(1, None), (2, None), (2, 0)])
-def test_single_request_costs_equal_the_step_shape_costs(width, verified_per_level):
+@pytest.mark.parametrize("width,kept", [(1, None), (2, None), (2, 0.0), (2, 1.5)])  # kept: per token, trimmed
+def test_single_request_costs_equal_the_step_shape_costs(width, kept):
     """The planner's fast price list for a lone request is step_ms of each shape, bit for bit,
     with a route step, a row curve and weights fitted from noisy steps."""
     rng = random.Random(3)
@@ -234,9 +253,10 @@ def test_single_request_costs_equal_the_step_shape_costs(width, verified_per_lev
         cost.observe(StepShape(1, 1 if n else 0, n, n, m, context=row_context(1, tokens),
                                node_context=row_context(m, tokens)), rng.random(),
                      17 + 0.4 * n + 0.002 * tokens + 0.0003 * m * tokens + rng.random())
-    per_level = width if verified_per_level is None else verified_per_level
+    cand = Candidate("r", [0.5] * 16, max_k=16, width=width, trimmed=kept is not None, kept_per_token=kept or 0.0)
     for tokens in (0, 700):
-        want = [cost.step_ms(StepShape(1, 1 if k else 0, k * width, k, k * per_level, context=row_context(1, tokens),
-                                       node_context=row_context(k * per_level, tokens))) for k in range(17)]
-        assert cost.single_ms(16, width, verified_per_level, tokens) == want
+        want = [cost.step_ms(StepShape(1, 1 if k else 0, k * width, k, cand.verified(k), context=row_context(1, tokens),
+                                       node_context=row_context(cand.verified(k), tokens),
+                                       routed=0.0 if cand.trimmed else None)) for k in range(17)]
+        assert cost.single_ms(16, width, cand.nodes if cand.trimmed else None, tokens) == want
         assert want[0] < want[1]  # drafting costs something: the shapes differ
