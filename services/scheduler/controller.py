@@ -41,7 +41,11 @@ class ControllerConfig:
     # after a run of bad drafts) is re-measured instead of holding it at that k for ever. A probe
     # whose level is rejected doubles the request's interval (up to PROBE_BACKOFF times this),
     # until one is accepted or the plan raises its k: where drafting does not pay, probes are
-    # pure cost.
+    # pure cost. A request planned at k = 0 probes only in a step where another request drafts
+    # (the draft's round trip is paid anyway) or in every probe_interval-th step, so a batch's
+    # probes share their steps: each step that drafts costs a plain batch the draft's call and
+    # slows the next forward too (at 8 streams one probe a request every 16 steps made a fifth
+    # of the steps draft).
     probe_interval: int = 16
     rejection_alert: float = 0.85  # warn when more than this share of draft tokens is rejected
     log_interval_s: float = 10.0  # at most one line per kind per interval
@@ -90,6 +94,7 @@ class DraftController:
         self.idle: dict[str, int] = {}  # request -> steps since its draft last reached past its planned k
         self.probe_every: dict[str, int] = {}  # request -> its probe interval now (backed off)
         self.probing: dict[str, int] = {}  # request -> the depth it probes this step
+        self.choices = 0  # steps chosen for so far (probes of undrafted requests fall on multiples)
         self.scales: dict[str, RequestScale] = {}  # request -> how its nodes fare vs the calibration
         self.proposed_nodes = 0  # draft nodes proposed, and kept for verification after trimming
         self.kept_nodes = 0
@@ -138,11 +143,14 @@ class DraftController:
             self.current.update(self.last_plan.k)
             self._planned_at = now
             self._report(self.last_plan)
+        ks = {rid: max(0, min(self.current.get(rid, 0), cap)) for rid, cap in caps.items()}
+        drafting = any(ks.values()) or self.choices % self.config.probe_interval == 0
+        self.choices += 1
         out = {}
         for rid, cap in caps.items():
-            k = max(0, min(self.current.get(rid, 0), cap))
+            k = ks[rid]
             every = self.probe_every.get(rid, self.config.probe_interval)
-            if k < cap and self.idle.get(rid, 0) >= every:
+            if k < cap and self.idle.get(rid, 0) + 1 >= every and drafting:  # `every` steps after the last
                 k += 1  # a probe, this step only (see ControllerConfig.probe_interval)
                 self.idle[rid] = 0  # counted from here, even if the trim then cuts the probe
                 self.probing[rid] = k

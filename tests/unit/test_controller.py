@@ -62,16 +62,39 @@ def test_probes_of_a_draft_that_is_never_right_are_rare_and_one_level_deep():
 
 
 def test_probes_of_a_draft_that_never_pays_back_off():
-    """Each rejected probe doubles the request's interval (8, 16, 32, 64, then 64 at the cap): 6
-    probes in 256 steps, where a fixed interval would probe 28 times, each a drafted and verified
-    level that pays nothing (in-process at batch 8, a step of 8 head probes cost 30 ms against
-    a 15 ms plain step). The hopeless-prior test above keeps its probes: accepted ones do not
-    back off."""
+    """Each rejected probe doubles the request's interval (8, 16, 32, 64, then 64 at the cap),
+    and a request planned at k = 0 probes on a multiple of 8 steps (probe_interval): 6 probes in
+    256 steps, where a fixed interval would probe 28 times, each a drafted and verified level
+    that pays nothing (in-process at batch 8, a step of 8 head probes cost 30 ms against a 15 ms
+    plain step). The hopeless-prior test above keeps its probes: accepted ones do not back off."""
     ctl = controller(probe_interval=8)
     ctl.add("r")
     ks = run(ctl, "r", 256, accept_all=False)
     probes = [i for i, k in enumerate(ks) if k]
-    assert [b - a for a, b in zip(probes, probes[1:])] == [17, 33, 65, 65, 65]
+    assert probes == [8, 24, 56, 120, 184, 248]
+
+
+def test_undrafted_requests_probe_together():
+    """Eight requests planned at k = 0 that joined at different steps: each probes about once
+    every 16 steps, all in the same steps (each step that drafts costs the batch a draft call),
+    where probing by each request's own count made every other step draft."""
+    ctl = DraftController(ControllerConfig(max_draft_length=4, probe_interval=16), latency=costly_nodes(),
+                          priors=lambda cls: [0.0] * 4)
+    ctl.latency.verify.observe = ctl.latency.draft.observe = lambda *a: None
+    drafted_steps, probes = [], 0
+    for step in range(160):
+        if step < 8:
+            ctl.add(f"r{step}")
+        caps = {f"r{i}": 4 for i in range(min(step + 1, 8))}
+        chosen = ctl.choose(caps)
+        ks = {rid: d.k for rid, d in chosen.items()}
+        probes += sum(1 for k in ks.values() if k)
+        if any(ks.values()):
+            drafted_steps.append(step)
+        ctl.observe(StepShape(len(caps), 0, 0, 0), 0.0, 10.0,
+                    {rid: (k, k, k, k + 1, k) for rid, k in ks.items()})  # every probe accepted
+    assert all(s % 16 == 0 for s in drafted_steps) and len(drafted_steps) <= 10
+    assert probes >= 8 * 8
 
 
 def test_a_greedy_request_pays_for_the_nodes_its_trimmed_trees_keep():
