@@ -178,7 +178,7 @@ async def _run_scheduler(args, tls: Tls, server: GrpcServer, servicer) -> None:
     from services.common.tracing import RequestSpans
     from services.scheduler.core import StepCore, Target
     from services.scheduler.loop import SchedulerLoop
-    from services.scheduler.observers import MetricsObserver, SpansObserver
+    from services.scheduler.observers import MetricsObserver, SpansObserver, StepLogObserver
     from services.scheduler.priors import Priors
     from services.scheduler.replicas import RemoteWorkers
 
@@ -193,8 +193,10 @@ async def _run_scheduler(args, tls: Tls, server: GrpcServer, servicer) -> None:
     priors = Priors(args.redis_url, pair)
     metrics = SchedulerMetrics(Registry("scheduler"))
     target = Target(tokenizer, tuple(sorted(eos)), info.max_positions, info.vocab_size, info.route_rows, grammars)
-    core = StepCore(_step_config(args), target, verifiers, drafts, priors,
-                    [MetricsObserver(metrics), SpansObserver(spans)])
+    observers = [MetricsObserver(metrics), SpansObserver(spans)]
+    if args.step_log:
+        observers.append(StepLogObserver(args.step_log))
+    core = StepCore(_step_config(args), target, verifiers, drafts, priors, observers)
     loop = SchedulerLoop(core, metrics, spans)
     _watch(metrics, core)
     metrics.registry.serve(args.host, int(args.metrics_port))

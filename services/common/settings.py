@@ -86,6 +86,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("--target-itl-ms", "SPECSERVE_TARGET_ITL_MS", "200", ("scheduler",),
            "while requests decode, a step takes the prompt tokens (chunked prefill) its predicted time has room "
            "for within this inter-token latency; 0 = prompts join whole"),
+    Option("--step-log", "SPECSERVE_STEP_LOG", None, ("scheduler",),
+           "append one JSON line per step to this file: its ms drafting and verifying, batch, plan, outcomes"),
     Option("--redis-url", "REDIS_URL", None, ("scheduler", "gateway"),
            "Redis for telemetry and rate limits; unset = none (make run starts a local one)"),
     Option("--api-keys", "SPECSERVE_API_KEYS", None, ("gateway",), "comma-separated bearer API keys; unset = open",

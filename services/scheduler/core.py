@@ -232,7 +232,9 @@ class StepCore:
                        prefill=r.prefilled + n < len(r.prompt_ids), near=r.near) for r, n in chunks]
         verified = await self.verifiers.step(self.steps, works)
         t2 = time.perf_counter()
-        report = StepReport(self.steps, len(batch), t0, t1, t2, decisions=decisions, chunks=[n for _, n in chunks])
+        plan = self.controller.last_plan if decisions else None
+        report = StepReport(self.steps, len(batch), t0, t1, t2, decisions=decisions, chunks=[n for _, n in chunks],
+                            predicted=(plan.expected_tokens, plan.step_ms) if plan else None)
         self.steps += 1
         self.admission.record_step(t2 - t0)
         joined = self.prefill.advance(chunks, verified)

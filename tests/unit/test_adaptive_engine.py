@@ -1,6 +1,8 @@
 """The adaptive draft length in the in-process engine: still lossless, and it stops drafting when
 drafting cannot pay."""
 
+import json
+
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ from services.draft.ngram import NgramProposer
 from services.scheduler.core import StepConfig
 from services.scheduler.engine import Engine
 from services.scheduler.latency import LatencyModel
+from services.scheduler.observers import StepLogObserver
 from tests import tiny
 from tests.unit import test_distribution as dist
 
@@ -114,3 +117,20 @@ def test_prefill_steps_stay_out_of_the_latency_model(models):
     while not req.finished:
         engine.step()
     assert fit.samples == req.stats.steps - 1
+
+
+def test_the_step_log_has_a_line_per_step_and_every_token_committed(models, tmp_path):
+    """`--step-log`: one JSON line per step; the tokens its lines say were committed are the
+    requests' outputs, and the steps that planned say what the plan predicted."""
+    target, _, _ = models
+    engine = Engine(target, NgramProposer(), StepConfig(draft_length="adaptive", max_batch=2), warm_up=False)
+    log = StepLogObserver(str(tmp_path / "steps.jsonl"))
+    engine.core.observers.append(log)
+    reqs = engine.generate(prompts(), SamplingParams(max_tokens=24))
+    log.close()
+    lines = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == list(range(engine.core.steps))
+    assert sum(r[3] for line in lines for r in line["requests"]) == sum(len(r.output_ids) for r in reqs)
+    assert all(line["verify_ms"] > 0 and 1 <= line["batch"] <= 2 for line in lines)
+    planned = [line for line in lines if line["planned_ms"] is not None]
+    assert planned and all(line["planned_tokens"] >= 1 for line in planned)
