@@ -130,11 +130,10 @@ class DraftController:
         now = self.clock()
         due = (now - self._planned_at) * 1e3 >= self.config.adjust_interval_ms
         if due or any(rid not in self.current for rid in caps):
-            cfg = self.config
+            cfg, shared = self.config, self._kept_prior()
             cands = [Candidate(rid, self.accept[rid].rates(), max_k=min(cap, cfg.max_draft_length),
                                min_k=cfg.min_draft_length, width=cfg.tree_width, trimmed=self.trimmed.get(rid, False),
-                               context=contexts.get(rid, 0),
-                               kept_per_token=self.accept[rid].kept_per_token(self._kept_prior()))
+                               context=contexts.get(rid, 0), kept_per_token=self.accept[rid].kept_per_token(shared))
                      for rid, cap in caps.items()]
             self.last_plan = plan(cands, self.latency)
             for rid, k in self.last_plan.k.items():

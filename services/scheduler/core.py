@@ -215,14 +215,14 @@ class StepCore:
             return []
         t0 = time.perf_counter()
         decoding, prompts = self.prefill.split(batch)
-        budgets, decisions = self._plan(decoding)
+        held = {r.req_id: len(r.tokens) for r in decoding}  # the tokens each holds: its rows attend to them
+        budgets, decisions = self._plan(decoding, held)
         trees, drafted, fresh = await self._propose(decoding, budgets, prompts)
         proposed = (sum(len(t) for t in trees.values()), max((max(t.depths(), default=0) for t in trees.values()),
                                                              default=0))
-        confs = self._trim(decoding, trees, time.perf_counter() - t0)
+        confs = self._trim(decoding, trees, time.perf_counter() - t0, held)
         self.prefill.fit_trees(decoding, bool(prompts), trees, confs)
         chunks = self.prefill.chunks(decoding, prompts, trees, (time.perf_counter() - t0) * 1e3)
-        held = [(r, len(r.tokens)) for r in decoding]  # the tokens each holds: its rows attend to them
         t1 = time.perf_counter()
         # A request cancelled while the draft worked is not verified: its release is on its way.
         layers = self.drafts.feature_layers if self.drafts is not None else ()
@@ -255,12 +255,12 @@ class StepCore:
         return out
 
     @staticmethod
-    def _shape(held: list[tuple[Request, int]], trees: dict[str, DraftTree], drafted: int,
-               proposed: tuple[int, int]) -> StepShape:
-        """The step as the latency model sees it; `held`: each request and the tokens it held."""
+    def _shape(held: dict[str, int], trees: dict[str, DraftTree], drafted: int, proposed: tuple[int, int]
+               ) -> StepShape:
+        """The step as the latency model sees it; `held`: the tokens each decoding request held."""
         return StepShape(len(held), drafted, proposed[0], proposed[1], verified=sum(len(t) for t in trees.values()),
-                         context=sum(row_context(1, n) for _, n in held),
-                         node_context=sum(row_context(len(trees.get(r.req_id, ())), n) for r, n in held))
+                         context=sum(row_context(1, n) for n in held.values()),
+                         node_context=sum(row_context(len(trees.get(rid, ())), n) for rid, n in held.items()))
 
     def _hold(self, req: Request) -> bool:
         """Whether a request no verifier could take waits for one (it is streaming, and has not
@@ -282,9 +282,10 @@ class StepCore:
         self.max_batch_seen = max(self.max_batch_seen, len(self.running))
         return list(self.running)
 
-    def _plan(self, batch: list[Request]) -> tuple[dict[str, tuple[int, int]], list[tuple[int, int]]]:
+    def _plan(self, batch: list[Request], held: dict[str, int]
+              ) -> tuple[dict[str, tuple[int, int]], list[tuple[int, int]]]:
         """(draft length, tree budget) per request: fixed ones as asked, the rest from the
-        controller; and the controller's choices, for metrics."""
+        controller (`held`: the tokens each holds); and the controller's choices, for metrics."""
         out, caps = {}, {}
         for r in batch:
             k = r.draft_length if r.fixed_k is None else r.fixed_k
@@ -297,7 +298,7 @@ class StepCore:
                 out[r.req_id] = r.draft_budget(k)
         decisions = []
         if caps:
-            for rid, d in self.controller.choose(caps, {r.req_id: len(r.tokens) for r in batch}).items():
+            for rid, d in self.controller.choose(caps, held).items():
                 out[rid] = (d.k, min(d.tree_size, MAX_TREE_NODES))
                 decisions.append(out[rid])
         return out, decisions
@@ -321,17 +322,17 @@ class StepCore:
         trees = {rid: t for rid, t in reply.results.items() if rid in drafting}
         return trees, len(works) - len(drafting.intersection(reply.unplaced)), reply.fresh
 
-    def _trim(self, batch: list[Request], trees: dict[str, DraftTree], spent_s: float) -> dict[str, list[float]]:
+    def _trim(self, batch: list[Request], trees: dict[str, DraftTree], spent_s: float, held: dict[str, int]
+              ) -> dict[str, list[float]]:
         """Cut the adaptive requests' trees to the nodes worth verifying (in place); their
-        nodes' confidences, to learn from once verified."""
+        nodes' confidences, to learn from once verified. `held`: the tokens each request holds."""
         reqs = [r for r in batch if len(trees.get(r.req_id, ()))]
         if self.controller is None or not any(r.fixed_k is None for r in reqs):
             return {}
         rids = [r.req_id for r in reqs]
-        held = sum(row_context(1, len(r.tokens)) for r in batch)
         kept, confs = self.controller.trim(rids, [trees[rid] for rid in rids], [r.params.greedy for r in reqs],
                                            spent_s * 1e3, len(batch), [r.fixed_k is None for r in reqs],
-                                           [len(r.tokens) for r in reqs], held)
+                                           [held[rid] for rid in rids], sum(row_context(1, n) for n in held.values()))
         trees.update(zip(rids, kept))
         return {rid: conf for rid, conf in zip(rids, confs) if conf is not None}
 

@@ -138,13 +138,14 @@ def _last_paying(c: Candidate, lo: int, hi: int, keep: float, cost: float) -> in
     return lo
 
 
-def _deepest_useful_cap(cands: list[Candidate], lam: float, cost: LatencyModel) -> int:
+def _deepest_useful_cap(cands: list[Candidate], lam: float, cost: LatencyModel, prices: list[float]) -> int:
     """A cap deeper than this plans no better at a ratio of lam or above: past it, what a level
     adds over all requests (each one's expected tokens less its drafting and verifying, at lam)
     cannot pay the depth term the level adds. Those net gains only fall with depth and with lam,
-    so a binary search finds it, and it holds for the rest of the search."""
+    so a binary search finds it, and it holds for the rest of the search. `prices`: each one's
+    verify ms per node."""
     dw = cost.draft.weights
-    levels = [_level(c, lam, dw, cost.node_ms(c.context)) for c in cands]
+    levels = [_level(c, lam, dw, node_ms) for c, node_ms in zip(cands, prices)]
 
     def pays(level: int) -> bool:
         net = sum(max(0.0, keep * (c.gains[level] - c.gains[level - 1]) - price)
@@ -161,15 +162,14 @@ def _deepest_useful_cap(cands: list[Candidate], lam: float, cost: LatencyModel) 
     return lo
 
 
-def _choose(cands: list[Candidate], cap: int, lam: float, cost: LatencyModel) -> list[int]:
+def _choose(cands: list[Candidate], cap: int, lam: float, cost: LatencyModel, prices: list[float]) -> list[int]:
     """Maximize sum_i E_i(k_i) - lam * T(k) over k_i <= cap, with the draft's depth term charged
     at the cap. Without the shared terms the problem separates by request: each one's best k >= 1
     (`_last_paying`), or 0 where that is worth more."""
     dw = cost.draft.weights  # [1, drafting, nodes, depth]
     ks, zeros, chosen = [], [], []  # each one's k, and its value at 0 (None: not allowed) and at k
-    for c in cands:
+    for c, node_ms in zip(cands, prices):
         r = range(min(c.min_k, min(cap, c.max_k)), min(cap, c.max_k) + 1)
-        node_ms = cost.node_ms(c.context)
         zero = _value(c, lam, dw, node_ms, 0) if r.start == 0 else None
         k, v = 0, zero
         if r.stop > 1:
@@ -186,7 +186,8 @@ def _choose(cands: list[Candidate], cap: int, lam: float, cost: LatencyModel) ->
     return ks
 
 
-def _small_shapes(cands: list[Candidate], cost: LatencyModel) -> tuple[list[int] | None, float]:
+def _small_shapes(cands: list[Candidate], cost: LatencyModel, prices: list[float]
+                  ) -> tuple[list[int] | None, float]:
     """The best choice of k whose verify forward stays within `route_rows` rows (none past a few
     requests, nor without a route step), and its ratio. Only untrimmed requests' rows count toward
     the step (StepShape.routed): their k are enumerated within the room, and for each such choice
@@ -207,7 +208,7 @@ def _small_shapes(cands: list[Candidate], cost: LatencyModel) -> tuple[list[int]
         pinned = list(cands)
         for i, k in zip(rows, combo):
             pinned[i] = replace(cands[i], min_k=k, max_k=k)
-        ks = _search_caps(pinned, cost, max(min(c.min_k, c.max_k) for c in pinned), large=False)[0] if free \
+        ks = _search_caps(pinned, cost, max(min(c.min_k, c.max_k) for c in pinned), prices, large=False)[0] if free \
             else list(combo)
         tok, ms = evaluate(cands, ks, cost)
         if tok / ms > best_ratio * (1 + 1e-12):
@@ -232,8 +233,9 @@ def plan(cands: list[Candidate], cost: LatencyModel) -> Plan:
     if len(cands) == 1:
         best = [_one_request(cands[0], cost, lowest)]
     else:  # the search below, plus the shapes small enough to skip the route step
-        best, best_ratio = _search_caps(cands, cost, lowest)
-        small, small_ratio = _small_shapes(cands, cost)
+        prices = [cost.node_ms(c.context) for c in cands]  # each one's verify ms per node, once per plan
+        best, best_ratio = _search_caps(cands, cost, lowest, prices)
+        small, small_ratio = _small_shapes(cands, cost, prices)
         if small_ratio > best_ratio * (1 + 1e-12):
             best = small
     tok, ms = evaluate(cands, best, cost)
@@ -252,7 +254,7 @@ def _one_request(c: Candidate, cost: LatencyModel, lowest: int) -> int:
     return best_k
 
 
-def _search_caps(cands: list[Candidate], cost: LatencyModel, lowest: int, large: bool = True
+def _search_caps(cands: list[Candidate], cost: LatencyModel, lowest: int, prices: list[float], large: bool = True
                  ) -> tuple[list[int], float]:
     """Dinkelbach's iteration per cap on the deepest draft, route step always charged (`large`;
     otherwise as the rows say), with the row curve at its average slope (so exact without one);
@@ -262,13 +264,13 @@ def _search_caps(cands: list[Candidate], cost: LatencyModel, lowest: int, large:
     best = [min(c.min_k, c.max_k) for c in cands]  # the floors: drafting must beat them
     tok, ms = evaluate(cands, best, cost)
     best_ratio = tok / ms
-    useful = max(lowest, _deepest_useful_cap(cands, best_ratio, cost))
+    useful = max(lowest, _deepest_useful_cap(cands, best_ratio, cost, prices))
     for cap in range(useful, lowest - 1, -1) if cost.draft.weights[3] > 0 else [useful]:
         if cap > useful:  # the best ratio rose since: fewer levels pay
             continue
         ks, lam = None, best_ratio
         for _ in range(50):
-            new = _choose(cands, cap, lam, cost)
+            new = _choose(cands, cap, lam, cost, prices)
             tok, ms = evaluate(cands, new, cost, depth=cap, large=large)
             if tok / ms <= lam * (1 + 1e-12):
                 break
@@ -278,5 +280,5 @@ def _search_caps(cands: list[Candidate], cost: LatencyModel, lowest: int, large:
         tok, ms = evaluate(cands, ks, cost)
         if tok / ms > best_ratio * (1 + 1e-12):
             best, best_ratio = ks, tok / ms
-            useful = max(lowest, _deepest_useful_cap(cands, best_ratio, cost))
+            useful = max(lowest, _deepest_useful_cap(cands, best_ratio, cost, prices))
     return best, best_ratio
