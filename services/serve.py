@@ -18,13 +18,14 @@ from specserve.v1 import common_pb2
 log = logging.getLogger(__name__)
 
 
-def _worker_info(role: str, loaded, device: str, proposer: str = "",
-                 feature_layers: tuple[int, ...] = ()) -> common_pb2.InfoResponse:
+def _worker_info(role: str, loaded, device: str, proposer: str = "", feature_layers: tuple[int, ...] = (),
+                 min_match: int = 0) -> common_pb2.InfoResponse:
     c = loaded.config
     route_rows = loaded.model.matmul.small_rows if role == "verifier" else 0
     return common_pb2.InfoResponse(model=loaded.name, vocab_size=c.vocab_size, max_positions=c.max_positions,
                                    eos_token_ids=list(c.eos_token_ids), role=role, proposer=proposer,
-                                   device=device, route_rows=route_rows, feature_layers=list(feature_layers))
+                                   device=device, route_rows=route_rows, feature_layers=list(feature_layers),
+                                   min_match=min_match)
 
 
 def _worker_metrics(role: str, args) -> WorkerMetrics:
@@ -85,7 +86,8 @@ async def _draft_worker(args, thread) -> StepWorker:
                         "Switches of the draft from its SlimSpec head to the full head by the quality guard",
                         lambda: (slim_state() or {}).get("fallbacks", 0))
     grammars = Constraints(target.tokenizer, target.config.vocab_size, target.eos_token_ids)
-    return StepWorker(_worker_info("draft", target, args.device, proposer.name, proposer.feature_layers), 0,
+    info = _worker_info("draft", target, args.device, proposer.name, proposer.feature_layers, proposer.min_match)
+    return StepWorker(info, 0,
                       ProposeWork(proposer, grammars), metrics, thread)
 
 
@@ -126,8 +128,9 @@ def _local_draft(info: common_pb2.InfoResponse, grammars):
     draft_info = common_pb2.InfoResponse(model=info.model, vocab_size=info.vocab_size,
                                          max_positions=info.max_positions, eos_token_ids=info.eos_token_ids,
                                          role="draft", proposer=NgramProposer.name, device="cpu")
-    worker = StepWorker(draft_info, 0, ProposeWork(NgramProposer(), grammars))
-    return LocalWorkers("draft", worker, contain_errors=True), NgramProposer.name
+    proposer = NgramProposer()
+    worker = StepWorker(draft_info, 0, ProposeWork(proposer, grammars))
+    return LocalWorkers("draft", worker, contain_errors=True, min_match=proposer.min_match), NgramProposer.name
 
 
 async def _drafts(args, info: common_pb2.InfoResponse, spans, grammars, credentials=None):
@@ -145,6 +148,7 @@ async def _drafts(args, info: common_pb2.InfoResponse, spans, grammars, credenti
     except RuntimeError:
         return drafts, "unknown"
     drafts.feature_layers = tuple(draft_info.feature_layers)  # the verifier is asked for these states
+    drafts.min_match = draft_info.min_match
     return drafts, draft_info.proposer
 
 

@@ -35,6 +35,7 @@ class NgramProposer(Proposer):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError("need 1 <= min_ngram <= max_ngram")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.min_match = min_ngram  # no occurrence of the last min_ngram tokens: no match at all
         self.max_continuations, self.max_matches = max_continuations, max_matches
 
     def propose(self, items: list[ProposeItem]) -> list[DraftTree]:

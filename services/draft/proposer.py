@@ -29,6 +29,9 @@ class Proposer(ABC):
     max_positions: int | None = None  # the draft's context, when it has one
     feature_layers: tuple[int, ...] = ()  # a feature-level draft: the target layers whose states it reads
     runs_model = True  # False: no torch work (a draft service then steps it on its event loop)
+    # A lookup draft proposes nothing unless a request's last this many tokens occurred earlier in
+    # it (the scheduler then skips the call); 0: it may propose after any tokens.
+    min_match = 0
 
     @abstractmethod
     def propose(self, items: list[ProposeItem]) -> list[DraftTree]:

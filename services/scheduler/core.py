@@ -217,7 +217,7 @@ class StepCore:
         decoding, prompts = self.prefill.split(batch)
         held = {r.req_id: len(r.tokens) for r in decoding}  # the tokens each holds: its rows attend to them
         budgets, decisions = self._plan(decoding, held)
-        trees, drafted, fresh = await self._propose(decoding, budgets, prompts)
+        trees, drafted, fresh, draft_compute = await self._propose(decoding, budgets, prompts)
         proposed = (sum(len(t) for t in trees.values()), max((max(t.depths(), default=0) for t in trees.values()),
                                                              default=0))
         confs = self._trim(decoding, trees, time.perf_counter() - t0, held)
@@ -234,7 +234,8 @@ class StepCore:
         t2 = time.perf_counter()
         plan = self.controller.last_plan if decisions else None
         report = StepReport(self.steps, len(batch), t0, t1, t2, decisions=decisions, chunks=[n for _, n in chunks],
-                            predicted=(plan.expected_tokens, plan.step_ms) if plan else None)
+                            predicted=(plan.expected_tokens, plan.step_ms) if plan else None,
+                            compute_ms=(draft_compute, verified.compute_ms))
         self.steps += 1
         self.admission.record_step(t2 - t0)
         joined = self.prefill.advance(chunks, verified)
@@ -285,13 +286,19 @@ class StepCore:
     def _plan(self, batch: list[Request], held: dict[str, int]
               ) -> tuple[dict[str, tuple[int, int]], list[tuple[int, int]]]:
         """(draft length, tree budget) per request: fixed ones as asked, the rest from the
-        controller (`held`: the tokens each holds); and the controller's choices, for metrics."""
+        controller (`held`: the tokens each holds); and the controller's choices, for metrics. A
+        lookup draft is not asked where it has nothing to propose (its call would cost the step a
+        round trip for an empty tree), and the controller plans only the requests it could serve."""
         out, caps = {}, {}
+        room = self.drafts.max_positions if self.drafts is not None else None
+        match = self.drafts.min_match if self.drafts is not None else 0
         for r in batch:
             k = r.draft_length if r.fixed_k is None else r.fixed_k
-            room = self.drafts.max_positions if self.drafts is not None else None
             if room is not None:  # a draft with a shorter context than the target stops drafting
                 k = min(k, room - len(r.tokens))
+            if match and r.params.grammar is None and not r.recurs(match):  # (a grammar's forced tokens need none)
+                out[r.req_id] = (0, 0)
+                continue
             if r.fixed_k is None:
                 caps[r.req_id] = r.draft_budget(k)[0]
             else:
@@ -304,15 +311,15 @@ class StepCore:
         return out, decisions
 
     async def _propose(self, batch: list[Request], budgets: dict[str, tuple[int, int]], prompts: list[Request]
-                       ) -> tuple[dict[str, DraftTree], int, set[str]]:
-        """The trees of the requests that draft this step, how many the draft was sent, and
-        which of them it received from their first token (a prefill). The draft also takes the
-        prompt chunks the verifier took last step (chunked prefill)."""
+                       ) -> tuple[dict[str, DraftTree], int, set[str], float]:
+        """The trees of the requests that draft this step, how many the draft was sent, which of
+        them it received from their first token (a prefill), and the draft's own ms. The draft
+        also takes the prompt chunks the verifier took last step (chunked prefill)."""
         works = [Work(r.req_id, r.tokens, r.params, *budgets[r.req_id], states=r.take_states(), near=r.near)
                  for r in batch if budgets[r.req_id][0] > 0]
         chunks = [r for r in prompts if r.prefilled > r.draft_prefilled] if self.drafts is not None else []
         if not works and not chunks:
-            return {}, 0, set()
+            return {}, 0, set(), 0.0
         reply = await self.drafts.step(self.steps, works + [Work(r.req_id, r.tokens[: r.prefilled], r.params,
                                                                  prefill=True, near=r.near) for r in chunks])
         for r in chunks:
@@ -320,7 +327,7 @@ class StepCore:
                 r.draft_prefilled = r.prefilled
         drafting = {w.req_id for w in works}
         trees = {rid: t for rid, t in reply.results.items() if rid in drafting}
-        return trees, len(works) - len(drafting.intersection(reply.unplaced)), reply.fresh
+        return trees, len(works) - len(drafting.intersection(reply.unplaced)), reply.fresh, reply.compute_ms
 
     def _trim(self, batch: list[Request], trees: dict[str, DraftTree], spent_s: float, held: dict[str, int]
               ) -> dict[str, list[float]]:

@@ -55,7 +55,7 @@ class Engine:
         if proposer is not None:
             self.drafts = LocalWorkers("draft", StepWorker(info, 0, ProposeWork(proposer, grammars)),
                                        max_positions=proposer.max_positions,
-                                       feature_layers=proposer.feature_layers)
+                                       feature_layers=proposer.feature_layers, min_match=proposer.min_match)
         self.core = StepCore(self.config, Target(self.tokenizer, self.eos_token_ids, c.max_positions, c.vocab_size,
                                                  target.model.matmul.small_rows, grammars),
                              self.verifiers, self.drafts)

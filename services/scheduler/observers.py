@@ -45,6 +45,7 @@ class StepReport:
     decisions: list[tuple[int, int]] = field(default_factory=list)  # adaptive (k, tree budget) chosen
     chunks: list[int] = field(default_factory=list)  # prompt tokens sent per prefilling request (chunked prefill)
     predicted: tuple[float, float] | None = None  # the adaptive plan in force: output tokens, step ms
+    compute_ms: tuple[float, float] = (0.0, 0.0)  # the draft's and the verifier's own time (the rest: hops)
 
     @property
     def draft_ms(self) -> float:
@@ -106,10 +107,11 @@ class SpansObserver(StepObserver):
 
 
 class StepLogObserver(StepObserver):
-    """One JSON line per step appended to a file (the scheduler's `--step-log`): its start and its
-    milliseconds drafting and verifying, the batch, the prompt chunks, what the adaptive plan
-    predicted, and per request [k, nodes verified, draft tokens accepted, tokens committed]. Where
-    a step's time goes under a real load, which the metrics' histograms average away."""
+    """One JSON line per step appended to a file (the scheduler's `--step-log`): its start, its
+    milliseconds drafting and verifying and of them the workers' own (the rest is the hops), the
+    batch, the prompt chunks, what the adaptive plan predicted, and per request [k, nodes
+    verified, draft tokens accepted, tokens committed]. Where a step's time goes under a real
+    load, which the metrics' histograms average away."""
 
     def __init__(self, path: str):
         self.file = open(path, "a", buffering=1, encoding="utf-8")  # a line at a time
@@ -118,7 +120,8 @@ class StepLogObserver(StepObserver):
         tokens, ms = report.predicted or (None, None)
         self.file.write(json.dumps({
             "step": report.step_id, "started": round(report.started, 6), "draft_ms": round(report.draft_ms, 3),
-            "verify_ms": round(report.verify_ms, 3), "batch": report.batch, "chunks": report.chunks,
+            "verify_ms": round(report.verify_ms, 3), "draft_compute_ms": round(report.compute_ms[0], 3),
+            "verify_compute_ms": round(report.compute_ms[1], 3), "batch": report.batch, "chunks": report.chunks,
             "planned_tokens": tokens, "planned_ms": ms,
             "requests": [[o.draft_length, len(o.tree), o.accepted, len(o.committed)] for o in report.outcomes],
         }) + "\n")

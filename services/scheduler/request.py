@@ -55,6 +55,8 @@ class Request:
         # Another request with the same prompt (n > 1): this one starts once that one has its
         # first token, so the workers copy the prompt's KV (core.py, Sequence.share_prefix).
         self.follows: Request | None = None
+        self._grams: set[tuple[int, ...]] = set()  # its m-grams ending before its last token (`recurs`)
+        self._gram_size = self._grams_end = 0
 
     def take_states(self) -> list[HiddenStates]:
         states, self.states = join(self.states), []
@@ -94,6 +96,19 @@ class Request:
 
     def remaining(self) -> int:
         return self.params.max_tokens - len(self.output_ids)
+
+    def recurs(self, m: int) -> bool:
+        """Whether its last m committed tokens occurred earlier in it (where a lookup draft finds
+        a match). Each token is added to the index once."""
+        tokens = self.tokens
+        if len(tokens) <= m:
+            return False
+        if m != self._gram_size:
+            self._grams, self._gram_size, self._grams_end = set(), m, m - 1
+        for end in range(self._grams_end, len(tokens) - 1):  # the grams ending before the last token
+            self._grams.add(tuple(tokens[end - m + 1: end + 1]))
+        self._grams_end = len(tokens) - 1
+        return tuple(tokens[-m:]) in self._grams
 
     def draft_budget(self, k: int) -> tuple[int, int]:
         """(draft length, tree size) for this step given a chosen k. A step always yields one

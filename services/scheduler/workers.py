@@ -51,6 +51,7 @@ class Workers(ABC):
     kind: str  # "draft" or "verifier"
     max_positions: int | None = None  # a draft's context, when it has one: it stops drafting there
     feature_layers: tuple[int, ...] = ()  # a feature-level draft: the target layers it reads
+    min_match: int = 0  # a lookup draft: it proposes only where a request's last this many tokens recur
 
     @abstractmethod
     async def step(self, step_id: int, works: list[Work]) -> Reply:
@@ -92,9 +93,9 @@ class LocalWorkers(Workers):
     otherwise it raises (the in-process engine)."""
 
     def __init__(self, kind: str, worker: StepWorker, max_positions: int | None = None,
-                 contain_errors: bool = False, feature_layers: tuple[int, ...] = ()):
+                 contain_errors: bool = False, feature_layers: tuple[int, ...] = (), min_match: int = 0):
         self.kind, self.worker, self.max_positions = kind, worker, max_positions
-        self.feature_layers = tuple(feature_layers)
+        self.feature_layers, self.min_match = tuple(feature_layers), min_match
         self.contain_errors = contain_errors
         self.sent: dict[str, int] = {}  # request id -> committed tokens the worker has
 

@@ -85,7 +85,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model", "vocab_size", "max_positions", "eos_token_ids", "role", "proposer", "device", "route_rows", "feature_layers")
+    __slots__ = ("model", "vocab_size", "max_positions", "eos_token_ids", "role", "proposer", "device", "route_rows", "feature_layers", "min_match")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_POSITIONS_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +95,7 @@ class InfoResponse(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     ROUTE_ROWS_FIELD_NUMBER: _ClassVar[int]
     FEATURE_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    MIN_MATCH_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     max_positions: int
@@ -104,7 +105,8 @@ class InfoResponse(_message.Message):
     device: str
     route_rows: int
     feature_layers: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_positions: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., role: _Optional[str] = ..., proposer: _Optional[str] = ..., device: _Optional[str] = ..., route_rows: _Optional[int] = ..., feature_layers: _Optional[_Iterable[int]] = ...) -> None: ...
+    min_match: int
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_positions: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., role: _Optional[str] = ..., proposer: _Optional[str] = ..., device: _Optional[str] = ..., route_rows: _Optional[int] = ..., feature_layers: _Optional[_Iterable[int]] = ..., min_match: _Optional[int] = ...) -> None: ...
 
 class HiddenStates(_message.Message):
     __slots__ = ("start", "rows", "width", "data")

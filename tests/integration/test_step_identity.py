@@ -1,9 +1,10 @@
 """One step, two drivers: the scheduler service (real processes over gRPC) and the in-process
 engine give the same tokens for every configuration: plain decoding, chains and trees, the model
 draft, the feature head (the target's states travel verifier -> scheduler -> draft) and the n-gram
-(the scheduler's own), adaptive, and sampling with a seed at a fixed k."""
+(the scheduler's own, and a draft service's), adaptive, and sampling with a seed at a fixed k."""
 
 import asyncio
+import json
 
 import pytest
 
@@ -17,6 +18,7 @@ from services.scheduler.engine import Engine
 from tests import tiny
 from tests.integration.stack import Stack, stack_env
 from tests.integration.test_services import generate
+from tests.unit.test_greedy_identity import assert_asked_only_where_the_end_recurs
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5], [20, 21, 22, 20, 21], [9, 10, 11]]
 GREEDY = dict(max_tokens=20)
@@ -35,6 +37,7 @@ CONFIGS = {
     "ngram-tree": ("ngram", "ngram", 4, 8, GREEDY),
     "ngram-sampled": ("ngram", "ngram", 3, 3, SAMPLED),
     "ngram-adaptive": ("ngram", "ngram", "adaptive", None, GREEDY),
+    "ngram-service-chain": ("ngram-service", "ngram", 3, 3, GREEDY),
     "head-chain": ("head", "head", 3, 3, GREEDY),
     "head-tree": ("head", "head", 3, 6, GREEDY),
     "head-tree-sampled": ("head", "head", 3, 5, SAMPLED),
@@ -51,7 +54,7 @@ CHUNKED = dict(max_batch=4, max_step_tokens=4)
 def schedulers(tmp_path_factory, home, stack):
     """The stack's scheduler (model draft service, fixed k), one adaptive over the same draft
     service, one adaptive drafting by n-gram in its own process, and a fixed and an adaptive one
-    over a feature-head draft service."""
+    over a feature-head draft service, and one over an n-gram draft service (with a step log)."""
     root = tmp_path_factory.mktemp("identity")
     st = Stack(root, stack_env(home))
     common = ["--target", str(stack.target), "--verifier-addrs", stack.verifier_addr]
@@ -61,19 +64,23 @@ def schedulers(tmp_path_factory, home, stack):
     tiny.make_head(load_model(str(stack.target)), seed=5).save(root / "head")
     try:
         head = st.start("draft", "--target", str(stack.target), "--draft", str(root / "head"))
+        lookup = st.start("draft", "--target", str(stack.target), "--draft", "ngram")
         adaptive = st.start("scheduler", *common, "--draft-addrs", stack.draft_addr, *adapt)
         ngram = st.start("scheduler", *common, "--draft-addrs", "local", *adapt)
         st.wait_healthy(head)
+        st.wait_healthy(lookup)
+        lookup_sched = st.start("scheduler", *common, "--draft-addrs", lookup.addr, "--step-log", str(root / "steps"))
         fixed_head = st.start("scheduler", *common, "--draft-addrs", head.addr)
         adaptive_head = st.start("scheduler", *common, "--draft-addrs", head.addr, *adapt)
         chunk = ["--max-batch", str(CHUNKED["max_batch"]), "--max-step-tokens", str(CHUNKED["max_step_tokens"])]
         chunked = st.start("scheduler", *common, "--draft-addrs", stack.draft_addr, *chunk)
         chunked_head = st.start("scheduler", *common, "--draft-addrs", head.addr, *chunk)
-        for svc in (adaptive, ngram, fixed_head, adaptive_head, chunked, chunked_head):
+        for svc in (adaptive, ngram, fixed_head, adaptive_head, chunked, chunked_head, lookup_sched):
             st.wait_healthy(svc)
         yield {"model": stack.scheduler_addr, "model-adaptive": adaptive.addr, "ngram": ngram.addr,
                "head": fixed_head.addr, "head-adaptive": adaptive_head.addr, "model-chunked": chunked.addr,
-               "head-chunked": chunked_head.addr, "head-dir": root / "head"}
+               "head-chunked": chunked_head.addr, "ngram-service": lookup_sched.addr, "head-dir": root / "head",
+               "ngram-service-log": root / "steps"}
     finally:
         st.stop_all()
 
@@ -100,3 +107,17 @@ def test_services_and_engine_give_the_same_tokens(stack, schedulers, draft_model
         assert got["usage"].steps == want.stats.steps or k == "adaptive"  # adaptive: k follows time
         drafted += got["usage"].drafted_tokens
     assert (drafted > 0) == (k != 0)  # every speculative configuration did draft
+
+
+def test_the_scheduler_asks_an_ngram_draft_service_only_where_it_can_match(schedulers):
+    """The n-gram draft service says in Info that it proposes only after a token seen before
+    (min_match); the scheduler then skips its round trip where the request's last token is new."""
+    log = schedulers["ngram-service-log"]
+    seen = len(log.read_text().splitlines()) if log.exists() else 0
+    prompts, outputs = [[9, 10, 11, 12], [5, 6, 7, 8, 5]], []
+    for i, prompt in enumerate(prompts):
+        got = asyncio.run(generate(schedulers["ngram-service"], f"lookup-{i}", prompt, fixed={"draft_length": 3},
+                                   **GREEDY))
+        outputs.append(got["token_ids"])
+    lines = [json.loads(line) for line in log.read_text().splitlines()[seen:]]
+    assert_asked_only_where_the_end_recurs(lines, prompts, outputs, GREEDY["max_tokens"])

@@ -132,5 +132,8 @@ def test_the_step_log_has_a_line_per_step_and_every_token_committed(models, tmp_
     assert [line["step"] for line in lines] == list(range(engine.core.steps))
     assert sum(r[3] for line in lines for r in line["requests"]) == sum(len(r.output_ids) for r in reqs)
     assert all(line["verify_ms"] > 0 and 1 <= line["batch"] <= 2 for line in lines)
+    assert all(0 < line["verify_compute_ms"] <= line["verify_ms"] for line in lines)  # the workers' own part
+    assert all(0 <= line["draft_compute_ms"] <= line["draft_ms"] for line in lines)
+    assert any(line["draft_compute_ms"] > 0 for line in lines)
     planned = [line for line in lines if line["planned_ms"] is not None]
     assert planned and all(line["planned_tokens"] >= 1 for line in planned)

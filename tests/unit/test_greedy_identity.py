@@ -1,5 +1,8 @@
 """Temperature 0: the engine's output is the target's own greedy decoding, whatever the draft."""
 
+import json
+import random
+
 import pytest
 import torch
 
@@ -11,6 +14,8 @@ from services.draft.slim import SlimHead, kept_ids
 from services.draft.slim_guard import GuardConfig, SlimGuard
 from services.scheduler.core import StepConfig
 from services.scheduler.engine import Engine
+from services.scheduler.observers import StepLogObserver
+from services.scheduler.request import Request
 from tests import tiny
 
 MAX_NEW = 40
@@ -143,3 +148,56 @@ def test_a_draft_with_a_shorter_context_stops_drafting(tmp_path, models):
     req = engine.generate([prompt], SamplingParams(max_tokens=30))[0]
     assert_same_or_near_tie(hf, prompt, req.output_ids, tiny.hf_greedy(hf, prompt, 30))
     assert len(req.output_ids) == 30 or req.finish_reason == "stop"
+
+
+def assert_asked_only_where_the_end_recurs(lines: list[dict], prompts: list[list[int]], outputs: list[list[int]],
+                                           max_tokens: int) -> None:
+    """Step-log lines of requests run one after another (one request a line): after its prompt's
+    step, each step gave the n-gram draft a k exactly where the request's last token had occurred
+    earlier in it (and it may still emit two tokens); both kinds of step occur."""
+    lines = iter(lines)
+    asked = skipped = 0
+    for prompt, output in zip(prompts, outputs):
+        done = 0
+        (_, _, _, committed), = next(lines)["requests"]  # the prompt's step
+        done += committed
+        while done < len(output):
+            (k, _, _, committed), = next(lines)["requests"]
+            context = prompt + output[:done]
+            recurs = context[-1] in context[:-1] and max_tokens - done > 1
+            assert (k > 0) == recurs, (prompt, done, k)
+            asked, skipped = asked + recurs, skipped + (not recurs)
+            done += committed
+    assert asked and skipped
+
+
+@pytest.mark.parametrize("draft_length", [4, "adaptive"])
+def test_a_lookup_draft_is_asked_only_where_the_last_token_recurs(models, prompts, tmp_path, draft_length):
+    """The n-gram finds nothing unless the request's last token occurred before: the step does not
+    ask it then (through the services that is a round trip saved), and the output is unchanged."""
+    target, _, hf = models
+    config = StepConfig(draft_length=draft_length, min_draft_length=1)  # adaptive: every step that may, drafts
+    engine = Engine(target, NgramProposer(), config, warm_up=False)
+    log = StepLogObserver(str(tmp_path / "steps.jsonl"))
+    engine.core.observers.append(log)
+    outputs = [engine.generate([p], SamplingParams(max_tokens=MAX_NEW))[0].output_ids for p in prompts]
+    log.close()
+    for prompt, output in zip(prompts, outputs):
+        assert_same_or_near_tie(hf, prompt, output, tiny.hf_greedy(hf, prompt, MAX_NEW))
+    lines = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    assert_asked_only_where_the_end_recurs(lines, prompts, outputs, MAX_NEW)
+
+
+def test_recurs_marks_where_the_ngram_lookup_finds_a_match():
+    """`Request.recurs(m)`, kept up to date token by token, says where an n-gram lookup whose
+    shortest n is m proposes anything at all."""
+    rng = random.Random(3)
+    for m in (1, 2, 3):
+        lookup = NgramProposer(max_ngram=3, min_ngram=m)
+        assert lookup.min_match == m
+        for _ in range(200):
+            req = Request("r", [rng.randrange(6) for _ in range(rng.randint(1, 4))], SamplingParams(max_tokens=64),
+                          None, (), 4, 4)
+            for _ in range(rng.randint(1, 12)):
+                assert req.recurs(m) == (len(lookup.tree(req.tokens, 4, 4)) > 0), (m, req.tokens)
+                req.output_ids.extend(rng.randrange(8) for _ in range(rng.randint(1, 3)))
