@@ -296,7 +296,8 @@ class StepCore:
             k = r.draft_length if r.fixed_k is None else r.fixed_k
             if room is not None:  # a draft with a shorter context than the target stops drafting
                 k = min(k, room - len(r.tokens))
-            if match and r.params.grammar is None and not r.recurs(match):  # (a grammar's forced tokens need none)
+            # A grammar's forced tokens are proposed without a match.
+            if k > 0 and match and r.params.grammar is None and not r.recurs(match):
                 out[r.req_id] = (0, 0)
                 continue
             if r.fixed_k is None:
