@@ -87,8 +87,7 @@ async def _draft_worker(args, thread) -> StepWorker:
                         lambda: (slim_state() or {}).get("fallbacks", 0))
     grammars = Constraints(target.tokenizer, target.config.vocab_size, target.eos_token_ids)
     info = _worker_info("draft", target, args.device, proposer.name, proposer.feature_layers, proposer.min_match)
-    return StepWorker(info, 0,
-                      ProposeWork(proposer, grammars), metrics, thread)
+    return StepWorker(info, 0, ProposeWork(proposer, grammars), metrics, thread)
 
 
 async def serve_verifier(args) -> None:
