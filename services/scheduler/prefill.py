@@ -19,6 +19,26 @@ def decode_rows(decoding: list[Request], trees: dict[str, DraftTree]) -> int:
     return sum(1 + len(trees.get(r.req_id, ())) for r in decoding)
 
 
+def shared_prefix(prompt: list[int], decoding: list[Request]) -> int:
+    """Tokens at the start of a prompt whose KV the verifier copies instead of computing, when its
+    first chunk joins a step beside the decoding requests (Sequence.share_prefix): the longest
+    prefix it shares with what one of them holds (all its tokens but the last). Identical
+    questions and a shared system prompt cost no rows there, so they spend none of the budget and
+    teach the fit nothing false. (Its verifier replica is assumed to hold them: one replica, or
+    an n-sample's leader.)"""
+    best = 0
+    for r in decoding:
+        held = r.tokens
+        limit = min(len(prompt), len(held) - 1)
+        if limit <= best or held[best] != prompt[best]:
+            continue  # cannot beat the best (both start with the same `best` tokens otherwise)
+        n = 0
+        while n < limit and held[n] == prompt[n]:
+            n += 1
+        best = max(best, n)
+    return best
+
+
 class Prefill:
     def __init__(self, budget: StepBudget):
         self.budget = budget
@@ -66,10 +86,11 @@ class Prefill:
             if r.finished:  # cancelled while the draft worked
                 continue
             n = len(r.prompt_ids) - r.prefilled
-            rows = 1 if r.copies_prompt() else n  # a copied prompt joins whole
+            shared = 0 if r.prefilled else min(n - 1, shared_prefix(r.prompt_ids, decoding))
+            rows = 1 if r.copies_prompt() else n - shared  # a copied prompt joins whole
             if left is not None:
                 if rows > left:
-                    rows = n = left
+                    rows, n = left, shared + left if left else 0
                 left -= rows
             if n <= 0:
                 break

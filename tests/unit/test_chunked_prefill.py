@@ -100,6 +100,26 @@ def test_a_lone_prompt_prefills_in_ceil_len_over_budget_steps(models, length, bu
     assert rows == [budget] * (steps - 1) + [length - budget * (steps - 1)]
 
 
+def test_a_prompt_a_decoding_request_holds_costs_only_the_rows_the_verifier_computes(models):
+    """A second request with the same 24-token prompt (not a sample of the first: any identical
+    question, or a shared system prompt) joins while the first decodes: the verifier copies all
+    but its last token, so within 6 rows a step it joins in one step of 2 rows, where counting its
+    whole prompt took 4 more steps; its tokens are the first's."""
+    prompt = [3 + (7 * i) % 50 for i in range(24)]
+    engine = Engine(models[0], None, StepConfig(draft_length=0, max_batch=3, max_step_tokens=6), warm_up=False)
+    rows = rows_per_forward(engine)
+    first = engine.add_request(prompt, SamplingParams(max_tokens=8))
+    while not first.output_ids:
+        engine.step()
+    assert rows == [6, 6, 6, 6]
+    second = engine.add_request(prompt, SamplingParams(max_tokens=8))
+    engine.step()
+    assert second.output_ids and rows[-1] == 2  # the first's decode row, the second's last prompt token
+    while engine.has_work():
+        engine.step()
+    assert second.output_ids == first.output_ids and max(rows) <= 6
+
+
 def test_a_model_draft_prefills_in_chunks_too(models, prompts):
     """The draft model takes each prompt chunk the step after the verifier (its KV continues
     across steps), so its forwards stay within the budget too, and the tokens are unchanged."""
