@@ -234,6 +234,7 @@ class StepCore:
         t2 = time.perf_counter()
         plan = self.controller.last_plan if decisions else None
         report = StepReport(self.steps, len(batch), t0, t1, t2, decisions=decisions, chunks=[n for _, n in chunks],
+                            chunk_starts=[r.prefilled for r, _ in chunks], prompt_rows=self.prefill.rows,
                             predicted=(plan.expected_tokens, plan.step_ms) if plan else None,
                             compute_ms=(draft_compute, verified.compute_ms))
         self.steps += 1

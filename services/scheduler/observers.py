@@ -44,6 +44,8 @@ class StepReport:
     outcomes: list[Outcome] = field(default_factory=list)
     decisions: list[tuple[int, int]] = field(default_factory=list)  # adaptive (k, tree budget) chosen
     chunks: list[int] = field(default_factory=list)  # prompt tokens sent per prefilling request (chunked prefill)
+    chunk_starts: list[int] = field(default_factory=list)  # where each chunk starts in its prompt
+    prompt_rows: int = 0  # rows the chunks cost the verifier (a prefix it copies costs none)
     predicted: tuple[float, float] | None = None  # the adaptive plan in force: output tokens, step ms
     compute_ms: tuple[float, float] = (0.0, 0.0)  # the draft's and the verifier's own time (the rest: hops)
 
@@ -122,7 +124,7 @@ class StepLogObserver(StepObserver):
             "step": report.step_id, "started": round(report.started, 6), "draft_ms": round(report.draft_ms, 3),
             "verify_ms": round(report.verify_ms, 3), "draft_compute_ms": round(report.compute_ms[0], 3),
             "verify_compute_ms": round(report.compute_ms[1], 3), "batch": report.batch, "chunks": report.chunks,
-            "planned_tokens": tokens, "planned_ms": ms,
+            "chunk_starts": report.chunk_starts, "prompt_rows": report.prompt_rows, "planned_tokens": tokens, "planned_ms": ms,
             "requests": [[o.draft_length, len(o.tree), o.accepted, len(o.committed)] for o in report.outcomes],
         }) + "\n")
 

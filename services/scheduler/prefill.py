@@ -9,7 +9,7 @@ did not take is sent again from the prompt's start.
 from __future__ import annotations
 
 from services.common.tree import DraftTree
-from services.scheduler.budget import StepBudget
+from services.scheduler.budget import StepBudget, positions
 from services.scheduler.request import Request
 from services.scheduler.workers import Reply
 
@@ -43,6 +43,7 @@ class Prefill:
     def __init__(self, budget: StepBudget):
         self.budget = budget
         self.rows = 0  # verify rows of the last step's prompt chunks (`chunks`), for `observe`
+        self.positions = 0.0  # and their positions (budget.positions)
 
     def split(self, batch: list[Request]) -> tuple[list[Request], list[Request]]:
         """(the requests that decode this step, those whose prompt joins in chunks). When nothing
@@ -79,15 +80,20 @@ class Prefill:
     def chunks(self, decoding: list[Request], prompts: list[Request], trees: dict[str, DraftTree],
                spent_ms: float) -> list[tuple[Request, int]]:
         """(request, prompt tokens to send this step), first come first served, within the budget
-        the decode rows leave."""
-        left = self.budget.prompt_rows(decode_rows(decoding, trees), len(decoding), spent_ms, waiting=len(prompts))
-        out, self.rows = [], 0
+        the decode rows leave (priced where the first prompt's computed rows start: later
+        positions cost more)."""
+        out, self.rows, self.positions = [], 0, 0.0
+        left, priced = None, False
         for r in prompts:
             if r.finished:  # cancelled while the draft worked
                 continue
             n = len(r.prompt_ids) - r.prefilled
             shared = 0 if r.prefilled else min(n - 1, shared_prefix(r.prompt_ids, decoding))
             rows = 1 if r.copies_prompt() else n - shared  # a copied prompt joins whole
+            if not priced:
+                left = self.budget.prompt_rows(decode_rows(decoding, trees), len(decoding), spent_ms,
+                                               waiting=len(prompts), start=r.prefilled + n - rows)
+                priced = True
             if left is not None:
                 if rows > left:
                     rows, n = left, shared + left if left else 0
@@ -96,6 +102,7 @@ class Prefill:
                 break
             out.append((r, n))
             self.rows += rows
+            self.positions += positions(r.prefilled + n - rows, rows)  # the computed rows end the chunk
         return out
 
     def observe(self, verify_ms: float, decoding: list[Request], trees: dict[str, DraftTree], fresh: set[str]) -> None:
@@ -104,7 +111,8 @@ class Prefill:
         rebuilt = [r for r in decoding if r.req_id in fresh]
         kept = [r for r in decoding if r.req_id not in fresh]
         self.budget.observe(verify_ms, decode_rows(kept, trees) + sum(len(trees.get(r.req_id, ())) for r in rebuilt),
-                            self.rows + sum(len(r.tokens) for r in rebuilt))
+                            self.rows + sum(len(r.tokens) for r in rebuilt),
+                            self.positions + sum(positions(0, len(r.tokens)) for r in rebuilt))
 
     def advance(self, chunks: list[tuple[Request, int]], verified: Reply) -> list[Request]:
         """Count the chunks the verifier took (one it did not take resends from the start); the

@@ -2,6 +2,7 @@
 a per-step token budget, and the tokens are exactly those of whole-prompt prefill."""
 
 import math
+import random
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from services.common.sequence import Sequences
 from services.common.tree import DraftTree
 from services.draft.model_proposer import ModelProposer
 from services.draft.ngram import NgramProposer
-from services.scheduler.budget import MIN_CHUNK, StepBudget
+from services.scheduler.budget import MIN_CHUNK, StepBudget, positions
 from services.scheduler.core import StepConfig
 from services.scheduler.engine import Engine
 from services.verifier.verifier import Verifier, VerifyItem
@@ -170,9 +171,13 @@ def test_the_time_budget_learns_the_cost_of_rows_and_floors():
     assert b.prompt_rows(0, 0) is None  # nothing decodes: no limit
     for decode_rows, prompt_rows in [(0, 60), (4, 0), (8, 0), (4, 100), (1, 300), (16, 16), (8, 50)] * 3:
         b.observe(10.0 + 5.0 * decode_rows + 1.5 * prompt_rows, decode_rows, prompt_rows)
+    assert b.margin_ms > 5  # the prior's first predictions missed
+    for _ in range(100):  # and fade from the margin once the fit holds
+        b.observe(10.0 + 5.0 * 4 + 1.5 * 50, 4, 50)
+    assert b.margin_ms < 2
     assert abs(b.decode_ms(4) - 30.0) < 0.5 and abs(b.token_ms - 1.5) < 0.02
-    assert abs(b.prompt_rows(4, 4) - (200 - 30) / 1.5) <= 1
-    assert abs(b.prompt_rows(4, 4, spent_ms=30.0) - (200 - 60) / 1.5) <= 1  # drafting spent part of it
+    assert abs(b.prompt_rows(4, 4) - (200 - b.margin_ms - 30) / 1.5) <= 1
+    assert abs(b.prompt_rows(4, 4, spent_ms=30.0) - (200 - b.margin_ms - 60) / 1.5) <= 1  # drafting spent part of it
     assert abs(b.prompt_rows(4, 4, spent_ms=120.0) - 150 / 1.5) <= 1  # past half the target: at most doubles
     assert abs(b.prompt_rows(1, 1, spent_ms=105.0, waiting=3) - 3 * 120 / 1.5) <= 2  # a burst: 3 prompts, 1 stream
     for _ in range(200):  # the machine slows down: prompt tokens cost twice as much
@@ -185,6 +190,33 @@ def test_the_time_budget_learns_the_cost_of_rows_and_floors():
     assert StepBudget(target_itl_ms=200).prompt_rows(30, 30, spent_ms=500.0) >= MIN_CHUNK
     with pytest.raises(ValueError, match="max_batch"):
         StepBudget(max_step_tokens=8).validate(max_batch=16)
+
+
+def test_the_budget_prices_a_late_chunk_higher_and_keeps_a_margin_for_its_misses():
+    """A prompt row attends to the prompt before it: the fit learns a cost per position, and a
+    chunk starting late gets the rows whose predicted time fits (checked by brute force). Steps
+    that run past their prediction leave a margin under the target."""
+    def ms(dec, rows, start):
+        return 10.0 + 5.0 * dec + 1.0 * rows + 0.8 * positions(start, rows)
+
+    def most_rows(start):  # the most rows whose step fits the target, by brute force
+        return max(n for n in range(1000) if ms(4, n, start) <= 200 - b.margin_ms)
+
+    b = StepBudget(target_itl_ms=200)
+    shapes = [(4, 0, 0), (8, 0, 0), (4, 100, 0), (4, 100, 500), (2, 200, 300), (8, 50, 900), (1, 300, 0)]
+    for _ in range(60):
+        for dec, rows, start in shapes:
+            b.observe(ms(dec, rows, start), dec, rows, positions(start, rows))
+    assert b.margin_ms < 2
+    early, late = b.prompt_rows(4, 4), b.prompt_rows(4, 4, start=600)
+    assert abs(early - most_rows(0)) <= 1 and abs(late - most_rows(600)) <= 1 and late < early - 40
+    rng = random.Random(0)
+    for _ in range(100):  # steps with prompt rows now run 0-40 ms past what the rows cost
+        for dec, rows, start in shapes:
+            b.observe(ms(dec, rows, start) + (rng.uniform(0, 40) if rows else 0.0), dec, rows, positions(start, rows))
+    assert 10 < b.margin_ms < 40
+    no_margin = b.rows_within(200 - b.decode_ms(4), 0)  # what the fit alone would let in
+    assert b.prompt_rows(4, 4) == b.rows_within(200 - b.margin_ms - b.decode_ms(4), 0) < no_margin - 5
 
 
 def test_the_verifier_caches_a_prompt_chunk_and_verifies_nothing(models):
