@@ -11,10 +11,10 @@ Two limits, either or both (vLLM's `max_num_batched_tokens` is the first):
   ms, `ms = a + b * decode rows + c * prompt rows + d * the sum of their positions / 1000`
   (latency.py's exponentially weighted least squares, so it follows the machine): a prompt row
   attends to the prompt before it, so a chunk late in a long prompt costs more a token than the
-  first (measured: 200 rows at position 550 about 270 ms where a first chunk's took 190). The
-  margin is what the fit's predictions for steps with prompt rows have recently fallen short by
-  (their decayed mean + 1.5 standard deviations), so the target holds for most steps, not on
-  average. Nothing decoding: no inter-token latency to protect, so no limit from it.
+  first (BENCHMARKS.md, "Load with chunked prefill"). The margin is what the fit's predictions
+  for steps with prompt rows have recently fallen short by (their decayed mean + 1.5 standard
+  deviations), so the target holds for most steps, not on average. Nothing decoding: no
+  inter-token latency to protect, so no limit from it.
 
 Prompts always get at least half of a step: past half the target (a slow machine, a full batch)
 they take the tokens the decode rows' own time buys, so a step is at most max(target, twice the
