@@ -124,7 +124,8 @@ class StepLogObserver(StepObserver):
             "step": report.step_id, "started": round(report.started, 6), "draft_ms": round(report.draft_ms, 3),
             "verify_ms": round(report.verify_ms, 3), "draft_compute_ms": round(report.compute_ms[0], 3),
             "verify_compute_ms": round(report.compute_ms[1], 3), "batch": report.batch, "chunks": report.chunks,
-            "chunk_starts": report.chunk_starts, "prompt_rows": report.prompt_rows, "planned_tokens": tokens, "planned_ms": ms,
+            "chunk_starts": report.chunk_starts, "prompt_rows": report.prompt_rows,
+            "planned_tokens": tokens, "planned_ms": ms,
             "requests": [[o.draft_length, len(o.tree), o.accepted, len(o.committed)] for o in report.outcomes],
         }) + "\n")
 
