@@ -20,7 +20,7 @@ from functools import cached_property, lru_cache
 import torch
 
 from services.common.grammar import Grammar
-from services.common.sequence import Sequence
+from services.common.sequence import Sequence, common_prefix
 from services.common.tree import MAX_TREE_NODES, DraftTree, path_to
 
 _SHIFTS = torch.arange(32, dtype=torch.int32)
@@ -84,9 +84,7 @@ class Constraint:
         """Bring the matcher to the committed tokens (prompt + output): roll back what they no
         longer hold, take the new ones. ValueError when a committed token breaks the grammar."""
         out = tokens[self.start:]
-        common = 0
-        while common < min(len(out), len(self.consumed)) and out[common] == self.consumed[common]:
-            common += 1
+        common = common_prefix(out, self.consumed)
         if common < len(self.consumed):
             self.matcher.rollback(len(self.consumed) - common)
             del self.consumed[common:]

@@ -28,6 +28,14 @@ from services.common.kv_cache import KVCache
 from services.common.sampling import SamplingParams, make_generator
 
 
+def common_prefix(a, b, limit: int | None = None) -> int:
+    """How many leading items a and b share, at most `limit`."""
+    n, end = 0, min(len(a), len(b)) if limit is None else min(len(a), len(b), limit)
+    while n < end and a[n] == b[n]:
+        n += 1
+    return n
+
+
 @dataclass
 class Sequence:
     req_id: str
@@ -46,9 +54,7 @@ class Sequence:
         n = len(self.cached)
         if n < len(self.tokens) and self.tokens[:n] == self.cached:
             return False
-        common, limit = 0, min(n, len(self.tokens) - 1)
-        while common < limit and self.cached[common] == self.tokens[common]:
-            common += 1
+        common = common_prefix(self.cached, self.tokens, len(self.tokens) - 1)
         self.cached = self.cached[:common]
         if self.cache is not None:
             self.cache.truncate(common)
@@ -74,9 +80,7 @@ class Sequence:
         for other in others:
             if other is self or other.cache is None:
                 continue
-            n, limit = 0, min(len(other.cached), len(self.tokens) - 1)
-            while n < limit and other.cached[n] == self.tokens[n]:
-                n += 1
+            n = common_prefix(other.cached, self.tokens, len(self.tokens) - 1)
             if n > best:
                 best, donor = n, other
         if donor is None:

@@ -8,6 +8,7 @@ did not take is sent again from the prompt's start.
 
 from __future__ import annotations
 
+from services.common.sequence import common_prefix
 from services.common.tree import DraftTree
 from services.scheduler.budget import StepBudget, positions
 from services.scheduler.request import Request
@@ -28,13 +29,10 @@ def shared_prefix(prompt: list[int], decoding: list[Request]) -> int:
     an n-sample's leader.)"""
     best = 0
     for r in decoding:
-        held = r.tokens
-        limit = min(len(prompt), len(held) - 1)
-        if limit <= best or held[best] != prompt[best]:
-            continue  # cannot beat the best (both start with the same `best` tokens otherwise)
-        n = 0
-        while n < limit and held[n] == prompt[n]:
-            n += 1
+        limit = len(r.prompt_ids) + len(r.output_ids) - 1
+        n = common_prefix(prompt, r.prompt_ids, limit)
+        if n == len(r.prompt_ids):  # the prompt goes on into what that request has written
+            n += common_prefix(prompt[n:], r.output_ids, limit - n)
         best = max(best, n)
     return best
 
