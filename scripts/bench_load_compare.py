@@ -43,9 +43,11 @@ WHOLE = "/whole"  # a setting's suffix: prompts join whole (SPECSERVE_TARGET_ITL
 DRAFT_SEP = "@"  # a setting's draft, before its length: models/head@adaptive (else SPECSERVE_DRAFT's)
 
 
-def stack_env(setting: str, base: int, run_dir: Path) -> dict[str, str]:
+def stack_env(setting: str, base: int, run_dir: Path, step_log: bool = False) -> dict[str, str]:
     draft, _, length = setting.removesuffix(WHOLE).rpartition(DRAFT_SEP)
     env = dict(os.environ, SPECSERVE_DRAFT_LENGTH=length, SPECSERVE_RUN_DIR=str(run_dir), SPECSERVE_METRICS_PORT="0")
+    if step_log:  # each stack its own: one file per setting
+        env["SPECSERVE_STEP_LOG"] = str(run_dir / "steps.jsonl")
     if draft:
         env["SPECSERVE_DRAFT"] = draft
     if setting.endswith(WHOLE):
@@ -57,7 +59,7 @@ def stack_env(setting: str, base: int, run_dir: Path) -> dict[str, str]:
 
 
 def start_stacks(settings: list[str], out: Path, port_base: int, timeout_s: float,
-                 procs: list[subprocess.Popen]) -> list[str]:
+                 procs: list[subprocess.Popen], step_log: bool = False) -> list[str]:
     """One stack per setting, each up before the next starts (a scheduler's warm-up times the
     verifier: it must not share the cores with another stack's start). Appends to `procs`."""
     urls = []
@@ -68,7 +70,8 @@ def start_stacks(settings: list[str], out: Path, port_base: int, timeout_s: floa
         log = run_dir / "launcher.log"
         with open(log, "w") as f:
             procs.append(subprocess.Popen([sys.executable, str(ROOT / "scripts" / "run_stack.py")], cwd=ROOT,
-                                          env=stack_env(setting, base, run_dir), stdout=f, stderr=subprocess.STDOUT))
+                                          env=stack_env(setting, base, run_dir, step_log), stdout=f,
+                                          stderr=subprocess.STDOUT))
         urls.append(f"http://127.0.0.1:{base + 4}")
         proc = procs[-1]
         try:
@@ -202,6 +205,8 @@ def main() -> None:
     ap.add_argument("--startup-timeout", type=float, default=600.0, help="seconds for each stack to come up")
     ap.add_argument("--out", type=Path, default=Path("bench-out/load-compare"))
     ap.add_argument("--no-run", action="store_true", help="only tabulate OUT/compare.json")
+    ap.add_argument("--step-logs", action="store_true",
+                    help="each scheduler logs its steps (--step-log) to OUT/stack-<setting>/steps.jsonl")
     ap.add_argument("--update", type=Path, help="rewrite the bench_load_compare section of this Markdown file")
     ap.add_argument("--section", default="bench_load_compare", help="the section --update rewrites")
     args = ap.parse_args()
@@ -218,7 +223,7 @@ def main() -> None:
                   "load": {k: v for k, v in dataclasses.asdict(load).items() if k != "url"}}
         procs: list[subprocess.Popen] = []
         try:
-            urls = start_stacks(settings, args.out, args.port_base, args.startup_timeout, procs)
+            urls = start_stacks(settings, args.out, args.port_base, args.startup_timeout, procs, args.step_logs)
             result.update(asyncio.run(measure(settings, urls, load, prompts)))
         finally:
             stop_stacks(procs)
