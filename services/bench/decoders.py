@@ -183,11 +183,12 @@ def _resolve_draft(draft: str, target: LoadedModel) -> str:
 
 def _draft_label(draft: str) -> str:
     """The configuration's name: its kind, and a checkpoint's folder where that is not the kind's
-    own name (two heads side by side: head_k4 and head_head2_k4)."""
+    own name (two heads side by side: head_k4 and head_head2_k4; head_ngram_k4 and
+    head_head2_ngram_k4)."""
     if draft in ("none", "ngram", "self", "default"):
         return "draft" if draft == "default" else draft
     if draft.endswith(HYBRID_SUFFIX):
-        return "head_ngram"
+        return _draft_label(draft.removesuffix(HYBRID_SUFFIX)) + "_ngram"
     kind = "head" if is_head_checkpoint(draft) else "draft"
     folder = Path(draft).name if Path(draft).is_dir() else Path(draft).stem
     return kind if folder == kind else f"{kind}_{folder}"

@@ -185,5 +185,6 @@ def test_two_heads_side_by_side_get_their_folders_in_their_names(tmp_path, tiny_
         tiny.make_head(load_model(str(tiny_target))).save(tmp_path / folder)
     assert _draft_label(str(tmp_path / "head")) == "head"
     assert _draft_label(str(tmp_path / "head2")) == "head_head2"
-    assert _draft_label(str(tmp_path / "head2") + "+ngram") == "head_ngram"
+    assert _draft_label(str(tmp_path / "head") + "+ngram") == "head_ngram"
+    assert _draft_label(str(tmp_path / "head2") + "+ngram") == "head_head2_ngram"  # beside head_ngram
     assert [_draft_label(d) for d in ("ngram", "none", "default")] == ["ngram", "none", "draft"]
