@@ -35,6 +35,12 @@ from dataclasses import dataclass
 # dearer than a short one's, at what a node adds.
 CONTEXT_UNIT = 1000.0
 
+# A step observed to take more than this many times its prediction counts as this many times it
+# (LinearFit's clip): a head's draft that once took 150 ms where it takes 2 (a cold call) priced
+# every later draft at 4 ms, and the planner stopped drafting, so nothing corrected it.
+OUTLIER_CLIP = 3.0
+CLIP_FLOOR_MS = 0.5  # a prediction near 0 (a fit still at zero weights) clips at 3 x this
+
 
 class RowCurve:
     """Extra verify ms of a forward with r rows over one with 1, measured at warm-up: linear
@@ -143,11 +149,16 @@ class LinearFit:
 
     Each observation's weight decays by `decay` per later observation, so the fit follows a
     machine whose speed drifts. Weights are kept non-negative (no latency falls with size).
+    With `clip`, an observation is first cut to `clip` times the fit's prediction, once the fit
+    has twice as many observations as weights: a least-squares fit follows a single far outlier
+    (a cold first call, a page fault, the collector) for hundreds of observations, while a real
+    change of speed still moves the prediction by up to that factor per observation.
     """
 
-    def __init__(self, prior: tuple[float, ...], ridge: float = 1e-3, decay: float = 0.995):
+    def __init__(self, prior: tuple[float, ...], ridge: float = 1e-3, decay: float = 0.995,
+                 clip: float | None = None):
         self.prior = list(prior)
-        self.ridge, self.decay = ridge, decay
+        self.ridge, self.decay, self.clip = ridge, decay, clip
         n = len(prior)
         self.xtx = [[0.0] * n for _ in range(n)]
         self.xty = [0.0] * n
@@ -156,6 +167,8 @@ class LinearFit:
 
     def observe(self, x: tuple[float, ...], y: float) -> None:
         n = len(self.prior)
+        if self.clip is not None and self.samples >= 2 * n:
+            y = min(y, self.clip * max(self.predict(x), CLIP_FLOOR_MS))
         for i in range(n):
             self.xty[i] = self.xty[i] * self.decay + x[i] * y
             row = self.xtx[i]
@@ -205,8 +218,8 @@ class LatencyModel:
     def __init__(self, verify_prior: tuple[float, ...] = (30.0, 2.0, 2.0, 0.0),
                  draft_prior: tuple[float, ...] = (2.0, 0.5, 0.5, 1.0), route_rows: int = 0):
         unset = (0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0)  # [1, batch, nodes, route step, row curve, contexts]
-        self.verify = LinearFit(tuple(verify_prior) + unset[len(verify_prior):])
-        self.draft = LinearFit(draft_prior)
+        self.verify = LinearFit(tuple(verify_prior) + unset[len(verify_prior):], clip=OUTLIER_CLIP)
+        self.draft = LinearFit(draft_prior, clip=OUTLIER_CLIP)
         self.route_rows = route_rows
         self.curve: RowCurve | None = None
 

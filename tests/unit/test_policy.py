@@ -165,6 +165,35 @@ def test_linear_fit_forgets_an_old_machine_speed():
     assert fit.predict((1.0, 4.0)) == pytest.approx(36.0, rel=0.01)
 
 
+def test_one_far_outlier_barely_moves_the_latency_model_and_a_real_slowdown_still_does():
+    """A head's draft took 150 ms once (a cold call) where it takes 2: unclipped, the fit priced
+    every later draft at about 4 ms and the planner stopped drafting; clipped, the price stays
+    near 2 ms, and a machine that really runs twice as slow is still followed."""
+    def fitted(clip):
+        fit = LinearFit(prior=(2.0, 0.5, 0.5, 1.0), clip=clip)
+        for n in range(40):
+            fit.observe((1.0, 1.0, float(2 + n % 4), float(2 + n % 4)), 1.5 + 0.1 * (2 + n % 4))
+        return fit
+    x = (1.0, 1.0, 4.0, 4.0)
+    for clip, most in ((None, 1e9), (3.0, 2.6)):
+        fit = fitted(clip)
+        assert fit.predict(x) == pytest.approx(1.9, rel=0.02)
+        fit.observe(x, 150.0)
+        moved = fit.predict(x)
+        assert moved <= most
+        if clip is None:
+            assert moved > 3.0  # what the unclipped fit did
+    slower = {}
+    for clip in (None, 3.0):
+        fit = fitted(clip)
+        for n in range(60):
+            fit.observe((1.0, 1.0, float(2 + n % 4), float(2 + n % 4)), 2 * (1.5 + 0.1 * (2 + n % 4)))
+        slower[clip] = fit.predict(x)
+    assert slower[3.0] == pytest.approx(slower[None], rel=1e-9) and slower[3.0] > 3.0
+    model = LatencyModel()
+    assert model.verify.clip and model.draft.clip  # the scheduler's fits are the clipped kind
+
+
 def test_linear_fit_keeps_weights_non_negative():
     fit = LinearFit(prior=(0.0, 0.0, 0.0), decay=1.0)
     for n in range(50):
