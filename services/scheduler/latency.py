@@ -39,7 +39,7 @@ CONTEXT_UNIT = 1000.0
 # (LinearFit's clip): a head's draft that once took 150 ms where it takes 2 (a cold call) priced
 # every later draft at 4 ms, and the planner stopped drafting, so nothing corrected it.
 OUTLIER_CLIP = 3.0
-CLIP_FLOOR_MS = 0.5  # a prediction near 0 (a fit still at zero weights) clips at 3 x this
+CLIP_FLOOR_MS = 0.5  # a prediction near 0 (a fit still at zero weights) clips at OUTLIER_CLIP x this
 
 
 class RowCurve:
