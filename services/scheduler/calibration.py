@@ -195,29 +195,6 @@ async def _calibrate_draft(latency: LatencyModel, drafts: Workers, requests: dic
     await drafts.flush()
 
 
-async def touch(verifiers: Workers, drafts: Workers | None, vocab_size: int, max_k: int, width: int) -> None:
-    """One untimed synthetic request through both workers (prefill, a verified chain, a draft from
-    the target's states), so that a start with a cached calibration still pays the first calls'
-    one-off costs (a feature head's first forward took 150 ms) here, not in a request's step."""
-    rid, params = calibration_id(secrets.token_hex(4), 0), SamplingParams(max_tokens=PROMPT_LEN * 2)
-    tokens, states = synthetic_prompt(vocab_size), []
-    layers = drafts.feature_layers if drafts is not None else ()
-    n = min(max_k * width, EVERY_SIZE_UP_TO)
-    for tree in (synthetic_chain(0, vocab_size), synthetic_chain(n, vocab_size)):
-        reply = await verifiers.step(0, [Work(rid, tokens, params, state_layers=layers, tree=tree)])
-        verdict = reply.results.get(rid)
-        if verdict is None:
-            break
-        tokens = tokens + list(verdict.tokens)
-        states += [verdict.states] if verdict.states is not None else []
-    verifiers.release(rid)
-    if drafts is not None and n:
-        await drafts.step(0, [Work(rid, tokens, params, draft_length=min(max_k, n), tree_size=n, states=states)])
-        drafts.release(rid)
-        await drafts.flush()
-    await verifiers.flush()
-
-
 @dataclass
 class WarmUp:
     seconds: float
@@ -235,7 +212,6 @@ async def warm_up(latency: LatencyModel, verifiers: Workers, drafts: Workers | N
         latency.load_state(state)
         log.info("warm-up: reusing the cached calibration of %s", pair)
         _log_fit(latency)
-        await touch(verifiers, drafts, vocab_size, max_k, width)
         return WarmUp(time.perf_counter() - t0, cached=True)
     await calibrate(latency, verifiers, drafts, vocab_size, max_k, width, max_positions)
     calibration_cache.save(key, latency.state())
