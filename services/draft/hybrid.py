@@ -27,7 +27,8 @@ LONG_MATCH = 0.9  # the n-gram's first-token confidence from which its tree is u
 
 def union(a: DraftTree, b: DraftTree, budget: int) -> DraftTree:
     """Greedy trees a and b (point-mass q, a confidence per node) as one tree of at most `budget`
-    nodes: a node both propose keeps the larger confidence, and the nodes kept are those of the
+    nodes: a node both propose gets the chance that either is right, 1 - (1 - c_a)(1 - c_b) (two
+    drafts that agree pass more often than either alone says), and the nodes kept are those of the
     largest path confidence (the product along the path: the tokens they are expected to add;
     a parent's is never below its child's, so the kept set is closed under parents), siblings in
     descending order of it (the order the trim keeps them in)."""
@@ -40,7 +41,7 @@ def union(a: DraftTree, b: DraftTree, budget: int) -> DraftTree:
             if path not in conf:
                 kids[path[:-1]].append(path)
                 kids[path] = []
-            conf[path] = max(conf.get(path, 0.0), float(c))
+            conf[path] = 1.0 - (1.0 - conf.get(path, 0.0)) * (1.0 - float(c))
     value = {(): 1.0}
     for path in conf:  # added parents first (each tree's are, and b's nodes under a's follow a's)
         value[path] = value[path[:-1]] * conf[path]

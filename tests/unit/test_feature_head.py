@@ -179,9 +179,12 @@ def test_the_union_of_two_greedy_trees_keeps_their_most_likely_paths():
 
     head = tree([(5, -1, 0.5), (6, 0, 0.5), (7, 1, 0.5)])
     ngram = tree([(5, -1, 0.9), (9, 0, 0.9), (8, -1, 0.3)])
-    # path confidences: 5 0.9 (the larger of both), 5-9 0.81, 5-6 0.45, 8 0.3, 5-6-7 0.225
+    # path confidences: 5 0.95 (1 - 0.5 * 0.1: both propose it), 5-9 0.855, 5-6 0.475, 8 0.3, 5-6-7 0.2375
     u = union(head, ngram, 4)
-    assert (u.tokens, u.parents, u.confidence) == ([5, 8, 9, 6], [-1, -1, 0, 0], [0.9, 0.3, 0.9, 0.5])
+    assert (u.tokens, u.parents) == ([5, 8, 9, 6], [-1, -1, 0, 0])
+    assert u.confidence == pytest.approx([0.95, 0.3, 0.9, 0.5])
+    # agreement outranks a single draft's more confident guess: 8 is 1 - 0.4 * 0.5 = 0.8 > 0.7
+    assert union(tree([(8, -1, 0.6)]), tree([(5, -1, 0.7), (8, -1, 0.5)]), 1).tokens == [8]
     assert union(head, ngram, 2).tokens == [5, 9] and len(union(head, ngram, 9)) == 5
     assert all(q == [t] for q, t in zip(u.q_ids, u.tokens)) and all(p == [1.0] for p in u.q_probs)
 
