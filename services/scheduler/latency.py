@@ -277,13 +277,22 @@ class LatencyModel:
                   tokens: int = 0) -> list[float]:
         """[step_ms of one request holding `tokens` tokens alone, drafting k deep, for k =
         0..max_k]: k * width nodes, of which verified[k] are verified once its tree is trimmed
-        (default: all, untrimmed). The planner prices every k of a lone request each step; this
-        skips a StepShape per k."""
-        nodes = verified if verified is not None else [k * width for k in range(max_k + 1)]
-        routed = None if verified is None else 0.0
-        return [self._ms(verify_features(1, nodes[k], self.route_rows, self.curve, False, row_context(1, tokens),
-                                         row_context(nodes[k], tokens), routed),
-                         draft_features(1, k * width, k) if k else None) for k in range(max_k + 1)]
+        (default: all, untrimmed). The planner prices every k of a lone request each step, and a
+        StepShape and feature tuples per k were most of its time: each shape's features are written
+        out here instead, summed in predict's order (so bit for bit the same ms)."""
+        v, d, curve, route = self.verify.weights, self.draft.weights, self.curve, self.route_rows
+        base = v[0] * 1.0 + v[1] * 1.0
+        ctx = v[5] * float(row_context(1, tokens))
+        out = []
+        for k in range(max_k + 1):
+            n = verified[k] if verified is not None else k * width
+            past = 1.0 if route > 0 and 1 + (n if verified is None else 0.0) > route else 0.0
+            ms = (base + v[2] * float(n) + v[3] * past + v[4] * (curve(1 + n) if curve is not None else 0.0) + ctx
+                  + v[6] * float(row_context(n, tokens)))
+            if k:
+                ms += d[0] * 1.0 + d[1] * 1.0 + d[2] * float(k * width) + d[3] * float(k)
+            out.append(max(ms, 1e-3))
+        return out
 
     def _ms(self, verify_x: tuple[float, ...], draft_x: tuple[float, ...] | None) -> float:
         ms = self.verify.predict(verify_x)

@@ -269,19 +269,21 @@ def test_single_request_plan_is_exact_under_a_row_curve():
     assert k == want == 5
 
 
-@pytest.mark.parametrize("width,kept", [(1, None), (2, None), (2, 0.0), (2, 1.5)])  # kept: per token, trimmed
+@pytest.mark.parametrize("width,kept", [(1, None), (2, None), (2, 0.0), (2, 1.5), (2, 9.0)])  # kept: per token, trimmed
 def test_single_request_costs_equal_the_step_shape_costs(width, kept):
     """The planner's fast price list for a lone request is step_ms of each shape, bit for bit,
-    with a route step, a row curve and weights fitted from noisy steps."""
+    with a route step (crossed by the last case's trimmed nodes), a row curve and weights fitted
+    from noisy steps (drafting's per-node and per-level terms apart)."""
     rng = random.Random(3)
     cost = LatencyModel(route_rows=6)
     cost.set_curve(RowCurve({1: 0.0, 2: 1.5, 6: 1.6, 7: 4.0, 13: 8.0}))
     for _ in range(50):
         n = rng.randint(0, 12)
-        m, tokens = rng.randint(0, n), rng.randint(10, 2000)
-        cost.observe(StepShape(1, 1 if n else 0, n, n, m, context=row_context(1, tokens),
-                               node_context=row_context(m, tokens)), rng.random(),
-                     17 + 0.4 * n + 0.002 * tokens + 0.0003 * m * tokens + rng.random())
+        m, tokens, depth = rng.randint(0, n), rng.randint(10, 2000), rng.randint(1, max(n, 1))
+        cost.observe(StepShape(1, 1 if n else 0, n, depth if n else 0, m, context=row_context(1, tokens),
+                               node_context=row_context(m, tokens)), 0.1 * n + 0.5 * depth + rng.random(),
+                     17 + 0.4 * n + 0.002 * tokens + 0.0003 * m * tokens + 3.0 * (m > 5) + rng.random())
+    assert min(cost.draft.weights[2:]) > 0 and cost.verify.weights[3] > 0
     cand = Candidate("r", [0.5] * 16, max_k=16, width=width, trimmed=kept is not None, kept_per_token=kept or 0.0)
     for tokens in (0, 700):
         want = [cost.step_ms(StepShape(1, 1 if k else 0, k * width, k, cand.verified(k), context=row_context(1, tokens),
