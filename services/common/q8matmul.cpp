@@ -1,7 +1,8 @@
 // x @ w.T on 4-bit and 8-bit blocks with integer dot products, as llama.cpp multiplies them: each
 // row of x is rounded to int8 per block of 32 values (one float scale per block), and every weight
-// block meets it in 32-bit integer sums (AVX-512 VNNI where the CPU has it, else pairs of
-// multiply-add instructions), scaled into float32 once per block.
+// block meets it in 32-bit integer sums (VNNI where the CPU has it, else multiply-add
+// instructions, whose pairs of products a 4-bit block sums in 16 bits), scaled into float32 once
+// per block.
 //
 // The weights are repacked at load (services/common/qmatmul.py, `pack_tiles`) into tiles of 16
 // outputs, so that a vector's lanes are 16 outputs and not 16 inputs: one tile-block holds, for
@@ -61,6 +62,10 @@ inline IVec dot4(IVec s, IVec w, IVec x) {
   return _mm512_add_epi32(s, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), _mm512_set1_epi16(1)));
 #endif
 }
+// Without VNNI: the pairs of products in 16-bit lanes, their sums, and those widened to 32 bits
+inline IVec pairs(IVec w, IVec x) { return _mm512_maddubs_epi16(w, x); }
+inline IVec iadd16(IVec a, IVec b) { return _mm512_add_epi16(a, b); }
+inline IVec widen(IVec a) { return _mm512_madd_epi16(a, _mm512_set1_epi16(1)); }
 #if defined(__AVX512VNNI__)
 constexpr bool kVnni = true;
 #else
@@ -83,7 +88,6 @@ inline FVec fset1(float x) { return _mm512_set1_ps(x); }
 inline FVec fmul(FVec a, FVec b) { return _mm512_mul_ps(a, b); }
 inline FVec ffma(FVec a, FVec b, FVec c) { return _mm512_fmadd_ps(a, b, c); }
 inline void fstore(float* p, FVec a) { _mm512_storeu_ps(p, a); }
-constexpr int kMaxRows = 8;
 #else
 using IVec = __m256i;
 using FVec = __m256;
@@ -107,6 +111,9 @@ inline IVec dot4(IVec s, IVec w, IVec x) {
   return _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
 #endif
 }
+inline IVec pairs(IVec w, IVec x) { return _mm256_maddubs_epi16(w, x); }
+inline IVec iadd16(IVec a, IVec b) { return _mm256_add_epi16(a, b); }
+inline IVec widen(IVec a) { return _mm256_madd_epi16(a, _mm256_set1_epi16(1)); }
 #if defined(__AVXVNNI__)
 constexpr bool kVnni = true;
 #else
@@ -127,9 +134,10 @@ inline FVec fset1(float x) { return _mm256_set1_ps(x); }
 inline FVec fmul(FVec a, FVec b) { return _mm256_mul_ps(a, b); }
 inline FVec ffma(FVec a, FVec b, FVec c) { return _mm256_fmadd_ps(a, b, c); }
 inline void fstore(float* p, FVec a) { _mm256_storeu_ps(p, a); }
-constexpr int kMaxRows = 4;
 #endif
 constexpr int kParts = kTile / kLanes;  // vectors per tile row: 1 (AVX-512) or 2 (AVX2)
+// Rows per pass over a tile (AVX2 too: beyond 4 rows `tile` sums one part of the tile at a time).
+constexpr int kMaxRows = 8;
 
 // x as int8 blocks, per block its scale d, d * sum(q) (for m's term) and sum(q) (exact in a
 // float). Block-major, the rows' blocks b side by side: one pointer and a constant offset reach
@@ -142,36 +150,59 @@ struct Rows {
   int64_t stride, blocks;
 };
 
+// Per 32-bit lane (an output), the sum of a block's 32 products of 4-bit weights (lo: inputs
+// 0-15, hi: 16-31) by a row's int8 values q. Without VNNI the products' pairs add up in 16-bit
+// lanes and widen once: |w x| <= 15 * 127, so eight pair sums stay within int16 (30,480), and the
+// multiply unit runs 9 instructions instead of 16. Exact either way: the same integer.
+inline IVec dot32(const IVec* lo, const IVec* hi, const int8_t* q) {
+  if constexpr (kVnni) {
+    IVec s0 = izero(), s1 = izero();
+    for (int t = 0; t < 4; ++t) {
+      s0 = dot4(s0, lo[t], ibcast(q + 4 * t));
+      s1 = dot4(s1, hi[t], ibcast(q + 16 + 4 * t));
+    }
+    return iadd(s0, s1);
+  } else {
+    IVec s = pairs(lo[0], ibcast(q));
+    for (int t = 1; t < 4; ++t) s = iadd16(s, pairs(lo[t], ibcast(q + 4 * t)));
+    for (int t = 0; t < 4; ++t) s = iadd16(s, pairs(hi[t], ibcast(q + 16 + 4 * t)));
+    return widen(s);
+  }
+}
+
 // y[r, 16 outputs of one tile] for NR rows.
 template <int NR>
 void tile(const Rows& x, const uint8_t* w, float* y, int64_t ldy) {
   FVec acc[NR][kParts];
   for (int r = 0; r < NR; ++r)
     for (int h = 0; h < kParts; ++h) acc[r][h] = fzero();
-  for (int64_t b = 0; b < x.blocks; ++b) {
+  // Block b's lanes h * kLanes .. of the 16 outputs into the rows' sums.
+  auto part = [&](int64_t b, int h) {
     const uint8_t* p = w + b * kTileBytes;
-    for (int h = 0; h < kParts; ++h) {  // lanes h * kLanes .. of the 16 outputs
-      IVec lo[4], hi[4];
-      for (int t = 0; t < 4; ++t) {
-        const IVec v = iload(p + 64 * t + 4 * kLanes * h);
-        lo[t] = ilow(v);
-        hi[t] = ihigh(v);
-      }
-      const FVec d = hload(p + 256 + 2 * kLanes * h), m = hload(p + 288 + 2 * kLanes * h);
-      const int8_t* qb = x.q + b * x.stride * kBlock;  // the rows' blocks b, side by side
-      const float* sb = x.scales + b * x.stride * kScales;
-      for (int r = 0; r < NR; ++r) {
-        const int8_t* q = qb + r * kBlock;
-        IVec s0 = izero(), s1 = izero();
-        for (int t = 0; t < 4; ++t) {
-          s0 = dot4(s0, lo[t], ibcast(q + 4 * t));
-          s1 = dot4(s1, hi[t], ibcast(q + 16 + 4 * t));
-        }
-        const float* sc = sb + r * kScales;
-        acc[r][h] = ffma(tofloat(iadd(s0, s1)), fmul(d, fset1(sc[0])), acc[r][h]);
-        acc[r][h] = ffma(m, fset1(sc[1]), acc[r][h]);
-      }
+    IVec lo[4], hi[4];
+    for (int t = 0; t < 4; ++t) {
+      const IVec v = iload(p + 64 * t + 4 * kLanes * h);
+      lo[t] = ilow(v);
+      hi[t] = ihigh(v);
     }
+    const FVec d = hload(p + 256 + 2 * kLanes * h), m = hload(p + 288 + 2 * kLanes * h);
+    const int8_t* qb = x.q + b * x.stride * kBlock;  // the rows' blocks b, side by side
+    const float* sb = x.scales + b * x.stride * kScales;
+    for (int r = 0; r < NR; ++r) {
+      const IVec s = dot32(lo, hi, qb + r * kBlock);
+      const float* sc = sb + r * kScales;
+      acc[r][h] = ffma(tofloat(s), fmul(d, fset1(sc[0])), acc[r][h]);
+      acc[r][h] = ffma(m, fset1(sc[1]), acc[r][h]);
+    }
+  };
+  // Either order gives the same bits. Few rows: both parts in turn, so that AVX2's two chains of
+  // dependent sums overlap. Many: one part at a time, so that its sums stay in registers.
+  if constexpr (kParts > 1 && NR > 4) {
+    for (int h = 0; h < kParts; ++h)
+      for (int64_t b = 0; b < x.blocks; ++b) part(b, h);
+  } else {
+    for (int64_t b = 0; b < x.blocks; ++b)
+      for (int h = 0; h < kParts; ++h) part(b, h);
   }
   for (int r = 0; r < NR; ++r)
     for (int h = 0; h < kParts; ++h) fstore(y + r * ldy + h * kLanes, acc[r][h]);
@@ -184,8 +215,8 @@ void tile8(const Rows& x, const uint8_t* w, float* y, int64_t ldy) {
   for (int r = 0; r < NR; ++r)
     for (int h = 0; h < kParts; ++h) acc[r][h] = fzero();
   for (int64_t b = 0; b < x.blocks; ++b) {
-    const uint8_t* p = w + b * kTile8Bytes;
     for (int h = 0; h < kParts; ++h) {
+      const uint8_t* p = w + b * kTile8Bytes;
       IVec wq[8], wu[8];  // the signed bytes; the unsigned operand (q + 128, or |q|)
       for (int t = 0; t < 8; ++t) {
         wq[t] = iload(p + 64 * t + 4 * kLanes * h);
@@ -211,19 +242,16 @@ void tile8(const Rows& x, const uint8_t* w, float* y, int64_t ldy) {
     for (int h = 0; h < kParts; ++h) fstore(y + r * ldy + h * kLanes, acc[r][h]);
 }
 
-// Tiles [t0, t1) for `rows` rows starting at x: NR rows per pass, the rest in one pass of fewer.
+// One tile (w) for `rows` rows (at most kMaxRows) starting at x, in one pass.
 template <bool Q8, int NR = kMaxRows>
-void rows_pass(const Rows& x, int64_t rows, const uint8_t* w, int64_t ldt, float* y, int64_t n,
-               int64_t t0, int64_t t1) {
+void rows_pass(const Rows& x, int64_t rows, const uint8_t* w, float* y, int64_t n) {
   if constexpr (NR > 1) {
-    if (rows < NR) return rows_pass<Q8, NR - 1>(x, rows, w, ldt, y, n, t0, t1);
+    if (rows < NR) return rows_pass<Q8, NR - 1>(x, rows, w, y, n);
   }
-  for (int64_t t = t0; t < t1; ++t) {
-    if constexpr (Q8)
-      tile8<NR>(x, w + t * ldt, y + t * kTile, n);
-    else
-      tile<NR>(x, w + t * ldt, y + t * kTile, n);
-  }
+  if constexpr (Q8)
+    tile8<NR>(x, w, y, n);
+  else
+    tile<NR>(x, w, y, n);
 }
 
 // Row r of x [rows, in] as int8 per block of 32: scale d = max|x| / 127, q = round(x / d) (to
@@ -274,14 +302,18 @@ at::Tensor specserve::q8matmul(const at::Tensor& x, const at::Tensor& tiles) {
   at::parallel_for(0, ntiles, 4, [&](int64_t t0, int64_t t1) {
     for (int64_t r = 0; r < rows; r += kRowSlab) {
       const int64_t slab = std::min(kRowSlab, rows - r);
-      for (int64_t s = 0; s < slab; s += kMaxRows) {
-        const Rows part{q.data() + (r + s) * kBlock, scales.data() + (r + s) * kScales, rows,
-                        blocks};
-        const int64_t nr = std::min<int64_t>(kMaxRows, slab - s);
-        if (q8)
-          rows_pass<true>(part, nr, wp, ldt, yp + (r + s) * n, n, t0, t1);
-        else
-          rows_pass<false>(part, nr, wp, ldt, yp + (r + s) * n, n, t0, t1);
+      // Every pass of the slab's rows over one tile before the next: the tile stays in L1.
+      for (int64_t t = t0; t < t1; ++t) {
+        for (int64_t s = 0; s < slab; s += kMaxRows) {
+          const Rows part{q.data() + (r + s) * kBlock, scales.data() + (r + s) * kScales, rows,
+                          blocks};
+          const int64_t nr = std::min<int64_t>(kMaxRows, slab - s);
+          float* out = yp + (r + s) * n + t * kTile;
+          if (q8)
+            rows_pass<true>(part, nr, wp + t * ldt, out, n);
+          else
+            rows_pass<false>(part, nr, wp + t * ldt, out, n);
+        }
       }
     }
   });

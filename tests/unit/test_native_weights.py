@@ -112,6 +112,30 @@ def test_the_tile_kernel_multiplies_int8_rows_by_the_dequantized_weights(kind):
 
 
 @needs_kernel
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+def test_the_tile_kernels_4_bit_sums_are_exact_at_their_largest(kind):
+    """Without VNNI a 4-bit block's products add up in 16-bit lanes: with every quant at 15 and
+    every row value at +-127 a lane reaches 8 pairs x 2 x 15 x 127 = 30,480, near int16's limit.
+    Rows of 1 to 9 (one pass, and a pass of 8 then 1) give the float64 sums of the same values."""
+    rows, out, k = 9, 32, 96
+    per_block = 18 if kind == "Q4_0" else 20  # the block's scale (and Q4_1's min), then 16 bytes of nibbles
+    raw = torch.zeros(out, k // 32, per_block, dtype=torch.uint8)
+    raw[..., 1] = 0x38  # scale d = 0.5 (float16 0x3800)
+    if kind == "Q4_1":
+        raw[..., 3] = 0xB4  # min m = -0.25 (float16 0xB400)
+    raw[..., per_block - 16 :] = 0xFF  # every quant 15
+    raw[:, 1, per_block - 16 :] = 0x0F  # block 1: inputs 0-15 at 15, 16-31 at 0
+    block = BlockTensor(kind, raw.view(out, -1))
+    x = torch.ones(rows, k)
+    x[1] = -1
+    x[2, ::2] = -1
+    x[3] = torch.arange(k) % 7 - 3.0
+    y, ref = qmatmul.pack_tiles(block).linear(x), _int8_rows(x).double() @ block.dequantize().double().T
+    assert float((y - ref).abs().max() / ref.abs().max()) < 1e-6
+    assert all(torch.equal(qmatmul.pack_tiles(block).linear(x[: n]), y[: n]) for n in (1, 4, 8))
+
+
+@needs_kernel
 def test_the_tile_kernel_names_what_is_wrong_with_its_inputs():
     tiles = qmatmul.pack_tiles(BlockTensor("Q4_1", torch.zeros(16, 2 * 20, dtype=torch.uint8))).tiles
     with pytest.raises(RuntimeError, match="x has 32 inputs, the tiles hold 640 bytes"):
