@@ -170,6 +170,15 @@ inline IVec dot32(const IVec* lo, const IVec* hi, const int8_t* q) {
   }
 }
 
+// The tile-block kAhead blocks on (in this tile or the next: a thread's tiles are adjacent),
+// asked into cache before it is needed: on an AVX2 EPYC one- and two-row matmuls ran 7-20%
+// faster than on the hardware's prefetch alone. A prefetch past the weights' end faults nothing.
+constexpr int kAhead = 8;
+template <int Bytes>
+inline void prefetch_ahead(const uint8_t* p) {
+  for (int i = 0; i < Bytes; i += 64) __builtin_prefetch(p + kAhead * Bytes + i);
+}
+
 // y[r, 16 outputs of one tile] for NR rows.
 template <int NR>
 void tile(const Rows& x, const uint8_t* w, float* y, int64_t ldy) {
@@ -179,6 +188,7 @@ void tile(const Rows& x, const uint8_t* w, float* y, int64_t ldy) {
   // Block b's lanes h * kLanes .. of the 16 outputs into the rows' sums.
   auto part = [&](int64_t b, int h) {
     const uint8_t* p = w + b * kTileBytes;
+    if (h == 0) prefetch_ahead<kTileBytes>(p);
     IVec lo[4], hi[4];
     for (int t = 0; t < 4; ++t) {
       const IVec v = iload(p + 64 * t + 4 * kLanes * h);
@@ -217,6 +227,7 @@ void tile8(const Rows& x, const uint8_t* w, float* y, int64_t ldy) {
   for (int64_t b = 0; b < x.blocks; ++b) {
     for (int h = 0; h < kParts; ++h) {
       const uint8_t* p = w + b * kTile8Bytes;
+      if (h == 0) prefetch_ahead<kTile8Bytes>(p);
       IVec wq[8], wu[8];  // the signed bytes; the unsigned operand (q + 128, or |q|)
       for (int t = 0; t < 8; ++t) {
         wq[t] = iload(p + 64 * t + 4 * kLanes * h);
