@@ -136,7 +136,7 @@ inline FVec ffma(FVec a, FVec b, FVec c) { return _mm256_fmadd_ps(a, b, c); }
 inline void fstore(float* p, FVec a) { _mm256_storeu_ps(p, a); }
 #endif
 constexpr int kParts = kTile / kLanes;  // vectors per tile row: 1 (AVX-512) or 2 (AVX2)
-// Rows per pass over a tile (AVX2 too: beyond 4 rows `tile` sums one part of the tile at a time).
+// Rows per pass over a tile (AVX2 too: beyond 2 rows `tile` sums one part of the tile at a time).
 constexpr int kMaxRows = 8;
 
 // x as int8 blocks, per block its scale d, d * sum(q) (for m's term) and sum(q) (exact in a
@@ -205,9 +205,10 @@ void tile(const Rows& x, const uint8_t* w, float* y, int64_t ldy) {
       acc[r][h] = ffma(m, fset1(sc[1]), acc[r][h]);
     }
   };
-  // Either order gives the same bits. Few rows: both parts in turn, so that AVX2's two chains of
-  // dependent sums overlap. Many: one part at a time, so that its sums stay in registers.
-  if constexpr (kParts > 1 && NR > 4) {
+  // Either order gives the same bits. One or two rows: both parts in turn, so that AVX2's two
+  // chains of dependent sums overlap. More: one part at a time, so that its sums stay in AVX2's 16
+  // registers (3 and 4 rows: BENCHMARKS.md, the tile kernel on AVX2).
+  if constexpr (kParts > 1 && NR > 2) {
     for (int h = 0; h < kParts; ++h)
       for (int64_t b = 0; b < x.blocks; ++b) part(b, h);
   } else {
