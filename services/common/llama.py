@@ -165,6 +165,8 @@ class LlamaModel:
         """[len(ids), hidden] rows of the token embedding."""
         if self.embed_blocks is None:
             return self.embed[ids]
+        if self.rowwise and self.dtype == torch.float32 and self.embed_blocks.kind == "Q8_0":  # one kernel call
+            return torch.ops.specserve_q.q8_0_rows(self.embed_blocks.raw, ids)
         return self.embed_blocks.dequantize(ids.cpu()).to(device=self.device, dtype=self.dtype)
 
     def head_rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -360,8 +362,9 @@ class LlamaModel:
         for ch, plan in parts:
             ch.cache.length = plan.start + plan.n
         if logit_rows:
-            rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
-            h = self._norm(x[rows], self.norm)
+            if len(logit_rows) < len(tokens):  # prompt chunks: only their last rows
+                x = x[torch.tensor(logit_rows, dtype=torch.long, device=self.device)]
+            h = self._norm(x, self.norm)
             logits = self.matmul(h, self.lm_head).float()  # [rows, vocab]
         else:  # prompt chunks only (chunked prefill): the LM head has no row to compute
             logits = torch.empty(0, c.vocab_size, device=self.device)
