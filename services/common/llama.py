@@ -368,7 +368,8 @@ class LlamaModel:
             logits = self.matmul(h, self.lm_head).float()  # [rows, vocab]
         else:  # prompt chunks only (chunked prefill): the LM head has no row to compute
             logits = torch.empty(0, c.vocab_size, device=self.device)
-        logits = list(logits.split([len(ch.tokens) - ch.logits_from for ch in chunks]))
+        sizes = [len(ch.tokens) - ch.logits_from for ch in chunks]
+        logits = list(logits.split(sizes)) if len(chunks) > 1 else [logits]  # torch ops run cold after a kernel
         if not layers:
             return logits, []
         states = torch.cat(captured, dim=-1)  # [N, len(layers) * hidden]
