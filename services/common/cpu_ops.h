@@ -11,6 +11,8 @@ namespace specserve {
 
 // qmatmul.cpp: x [rows, in] float32 @ the GGUF blocks raw [out, bytes] of `kind` -> [rows, out].
 at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& raw, int64_t kind);
+// qmatmul.cpp: rows `ids` of those blocks decoded to float32 -> [len(ids), in].
+at::Tensor block_rows(const at::Tensor& raw, const at::Tensor& ids, int64_t kind);
 
 // q8matmul.cpp: x [rows, in] float32 @ 4-bit or Q8_0 weights packed in tiles of 16 outputs
 // -> [rows, out].

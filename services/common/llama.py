@@ -21,7 +21,7 @@ from services.common.gguf_blocks import BlockTensor
 from services.common.kv_cache import KVCache
 from services.common.matmul import Matmul, Weight
 from services.common.model_config import ModelConfig
-from services.common.qmatmul import KINDS, TILES, BlockWeight, TileWeight
+from services.common.qmatmul import KINDS, TILES, BlockWeight, TileWeight, block_rows
 from services.common.quant import Int4Weight
 from services.common.tree import ancestor_mask, forest_depths
 
@@ -165,15 +165,13 @@ class LlamaModel:
         """[len(ids), hidden] rows of the token embedding."""
         if self.embed_blocks is None:
             return self.embed[ids]
-        if self.rowwise and self.dtype == torch.float32 and self.embed_blocks.kind == "Q8_0":  # one kernel call
-            return torch.ops.specserve_q.q8_0_rows(self.embed_blocks.raw, ids)
-        return self.embed_blocks.dequantize(ids.cpu()).to(device=self.device, dtype=self.dtype)
+        return block_rows(self.embed_blocks, ids).to(device=self.device, dtype=self.dtype)
 
     def head_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """[len(ids), hidden] rows of the LM head, dense in the model's dtype."""
         if self.lm_head.dense is not None:
             return self.lm_head.dense.index_select(0, ids.to(self.device))
-        return self.head_blocks.dequantize(ids.cpu()).to(device=self.device, dtype=self.dtype)
+        return block_rows(self.head_blocks, ids).to(device=self.device, dtype=self.dtype)
 
     def weight_bytes(self) -> int:
         """Bytes of every weight held: dense tensors once each (a tied head shares the

@@ -25,6 +25,7 @@ namespace {
 using specserve::Vec;
 using specserve::vfma;
 using specserve::vload;
+using specserve::vstore;
 using specserve::vsum;
 using specserve::vzero;
 
@@ -207,6 +208,39 @@ at::Tensor specserve::qmatmul(const at::Tensor& x, const at::Tensor& raw, int64_
   return y;
 }
 
+// Rows `ids` of the blocks raw [out, blocks * block bytes] decoded as the matmul decodes them
+// (the embedding's lookup: one call instead of torch's ten small ops, which run cold after a kernel).
+at::Tensor specserve::block_rows(const at::Tensor& raw, const at::Tensor& ids, int64_t kind) {
+  TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == at::kByte && raw.is_contiguous(),
+              "block_rows: raw must be contiguous uint8 [out, blocks * block bytes]");
+  TORCH_CHECK(kind == kQ4_0 || kind == kQ4_1 || kind == kQ8_0, "block_rows: unknown block kind ", kind);
+  TORCH_CHECK(raw.size(1) % block_bytes(kind) == 0, "block_rows: rows of ", raw.size(1),
+              " bytes are not whole blocks");
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && ids.is_contiguous(),
+              "block_rows: ids must be a contiguous int64 vector");
+  const int64_t n = ids.size(0), out = raw.size(0), ldw = raw.size(1), bb = block_bytes(kind);
+  const int64_t blocks = ldw / bb;
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  for (int64_t r = 0; r < n; ++r)
+    TORCH_CHECK(0 <= ip[r] && ip[r] < out, "block_rows: row ", ip[r], " outside the weight's ", out);
+  at::Tensor y = at::empty({n, blocks * kBlock}, raw.options().dtype(at::kFloat));
+  float* yp = y.data_ptr<float>();
+  constexpr int kLanes = kBlock / kVecs;
+  for (int64_t r = 0; r < n; ++r) {
+    const uint8_t* row = raw.data_ptr<uint8_t>() + ip[r] * ldw;
+    for (int64_t b = 0; b < blocks; ++b) {
+      Vec w[kVecs];
+      if (kind == kQ4_0) decode<kQ4_0>(row + b * bb, w);
+      else if (kind == kQ4_1) decode<kQ4_1>(row + b * bb, w);
+      else decode<kQ8_0>(row + b * bb, w);
+      float* yb = yp + (r * blocks + b) * kBlock;
+      for (int i = 0; i < kVecs; ++i) vstore(yb + i * kLanes, w[i]);
+    }
+  }
+  return y;
+}
+
 TORCH_LIBRARY(specserve_q, m) {
   m.def("qmatmul(Tensor x, Tensor raw, int kind) -> Tensor", &specserve::qmatmul);
+  m.def("block_rows(Tensor raw, Tensor ids, int kind) -> Tensor", &specserve::block_rows);
 }

@@ -51,6 +51,15 @@ def supports(block: BlockTensor) -> bool:
     return block.kind in KINDS and cpu_kernels.available()
 
 
+def block_rows(block: BlockTensor, ids: torch.Tensor) -> torch.Tensor:
+    """float32 [len(ids), in] rows of a weight kept in its blocks (the embedding's lookup): the
+    block kernel's decode where this process has loaded it, else BlockTensor.dequantize (the same
+    values: each is q * d + m with an exact product)."""
+    if block.kind in KINDS and cpu_kernels.loaded():
+        return torch.ops.specserve_q.block_rows(block.raw, ids.cpu(), KINDS[block.kind])
+    return block.dequantize(ids.cpu())
+
+
 TILE = 16  # outputs per tile of q8matmul.cpp
 
 

@@ -1,17 +1,14 @@
 // The small per-row steps of a decoder layer on CPU, one call each instead of torch's five to
 // seven (a one-row forward spends more in their dispatch than in their arithmetic). Each row is
 // computed on its own, in a fixed order, so a row's result does not depend on the others. And the
-// argmax of each row of logits, which greedy verification takes (torch's took about 20 us a row),
-// and the embedding's rows decoded from Q8_0 blocks (torch's ten ops each ran cold after a kernel).
+// argmax of each row of logits, which greedy verification takes (torch's took about 20 us a row).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 
 #include "cpu_ops.h"
@@ -133,40 +130,10 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
-// Rows `ids` of a Q8_0 weight raw [out, blocks * 34] as float32 [len(ids), blocks * 32]: q * d per
-// block, as gguf_blocks.BlockTensor.dequantize computes it (a float32 product: the same bits).
-at::Tensor q8_0_rows(const at::Tensor& raw, const at::Tensor& ids) {
-  constexpr int64_t kBytes = 34, kValues = 32;
-  TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == at::kByte && raw.is_contiguous() &&
-              raw.size(1) % kBytes == 0, "q8_0_rows: raw must be contiguous uint8 [out, blocks * 34]");
-  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && ids.is_contiguous(),
-              "q8_0_rows: ids must be a contiguous int64 vector");
-  const int64_t n = ids.size(0), out = raw.size(0), bytes = raw.size(1), blocks = bytes / kBytes;
-  const int64_t* ip = ids.data_ptr<int64_t>();
-  for (int64_t r = 0; r < n; ++r)
-    TORCH_CHECK(0 <= ip[r] && ip[r] < out, "q8_0_rows: row ", ip[r], " outside the weight's ", out);
-  at::Tensor y = at::empty({n, blocks * kValues}, raw.options().dtype(at::kFloat));
-  const uint8_t* rp = raw.data_ptr<uint8_t>();
-  float* yp = y.data_ptr<float>();
-  for (int64_t r = 0; r < n; ++r) {
-    for (int64_t b = 0; b < blocks; ++b) {
-      const uint8_t* block = rp + ip[r] * bytes + b * kBytes;
-      uint16_t bits;
-      std::memcpy(&bits, block, 2);
-      const float d = c10::Half(bits, c10::Half::from_bits());
-      const int8_t* q = reinterpret_cast<const int8_t*>(block + 2);
-      float* yb = yp + (r * blocks + b) * kValues;
-      for (int64_t i = 0; i < kValues; ++i) yb[i] = static_cast<float>(q[i]) * d;
-    }
-  }
-  return y;
-}
-
 }  // namespace specserve
 
 TORCH_LIBRARY_FRAGMENT(specserve_q, m) {
   m.def("argmax_rows(Tensor x) -> Tensor", &specserve::argmax_rows);
-  m.def("q8_0_rows(Tensor raw, Tensor ids) -> Tensor", &specserve::q8_0_rows);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &specserve::rms_norm);
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin, int heads, int dim) -> ()", &specserve::rope_);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &specserve::silu_mul);

@@ -42,20 +42,24 @@ def test_each_block_kind_decodes_exactly_and_multiplies_within_bfloat16(kind):
 
 
 @needs_kernel
-def test_q8_0_rows_decode_the_embeddings_rows_bitwise():
-    """rowwise.cpp's q8_0_rows (the embedding lookup of a Q8_0 model) gives BlockTensor.dequantize's
-    float32 rows bit for bit, quants of -128 and 127 included, and names a row out of range."""
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_block_rows_decode_the_embeddings_rows_bitwise(kind):
+    """qmatmul.cpp's block_rows (the embedding lookup of a model kept in its blocks) gives
+    BlockTensor.dequantize's float32 rows bit for bit, Q8_0 quants of -128 and 127 included, and
+    names a row out of range."""
     torch.manual_seed(0)
     w = torch.randn(96, 160) * 0.05
-    block = BlockTensor("Q8_0", torch.from_numpy(quantize(w.numpy(), gguf.GGMLQuantizationType.Q8_0)))
-    block.raw.view(96, 5, 34)[:4, 1, 2:10] = torch.tensor([128, 127] * 4, dtype=torch.uint8)
+    block = BlockTensor(kind, torch.from_numpy(quantize(w.numpy(), gguf.GGMLQuantizationType[kind])))
+    if kind == "Q8_0":
+        block.raw.view(96, 5, 34)[:4, 1, 2:10] = torch.tensor([128, 127] * 4, dtype=torch.uint8)
     ids = torch.tensor([3, 0, 95, 3, 1, 2])
-    got = torch.ops.specserve_q.q8_0_rows(block.raw, ids)
+    got = torch.ops.specserve_q.block_rows(block.raw, ids, qmatmul.KINDS[kind])
     assert got.dtype == torch.float32 and torch.equal(got, block.dequantize(ids))
-    assert torch.equal(torch.ops.specserve_q.q8_0_rows(block.raw, torch.arange(96)), block.dequantize())
-    assert float(got[0, 32:40].min()) < 0 and float(got[0, 32:40].max()) > 0  # the extreme quants are there
+    assert torch.equal(qmatmul.block_rows(block, torch.arange(96)), block.dequantize())
+    if kind == "Q8_0":
+        assert float(got[0, 32:40].min()) < 0 and float(got[0, 32:40].max()) > 0  # the extreme quants are there
     with pytest.raises(RuntimeError, match="row 96 outside the weight's 96"):
-        torch.ops.specserve_q.q8_0_rows(block.raw, torch.tensor([1, 96]))
+        torch.ops.specserve_q.block_rows(block.raw, torch.tensor([1, 96]), qmatmul.KINDS[kind])
 
 
 @needs_kernel
