@@ -6,10 +6,15 @@ count: `--spec-draft-n-max 0` is its plain decoding, k > 0 its prompt lookup (an
 the prompt and the output, like ours). Time is what llama-lookup itself reports for the prompt
 and the decoding (its model load is not counted, as ours is not); tokens are read from its
 debug lines, one per output token, so tokens/s, MAL and the identity check use its own ids.
+
+Its weights are repacked at load where the CPU has a faster layout (AMX tiles, interleaved
+blocks). On a machine where that path crashes (its AMX matmul segfaults on prompts on one Xeon
+here, llama.cpp issue 20824), a decoder retries without it and says so in its description.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 import subprocess
 from pathlib import Path
@@ -19,6 +24,8 @@ import torch
 from services.bench.decoders import LLAMACPP, LLAMACPP_PLAIN, Decoded, Decoder, PeerError, stop_at_eos
 from services.common.loading import specserve_home
 from services.common.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
 
 DEFAULT_VERSION = "0.3.36"  # llama-cpp-python's sdist, whose vendored llama.cpp `make peers` builds
 TOOLS = ("llama-lookup", "llama-bench")
@@ -55,6 +62,7 @@ class LlamaCppDecoder(Decoder):
         self.gguf, self.tokenizer, self.context = gguf, tokenizer, context
         self.binary = binary or lookup_binary()
         self.threads = threads or torch.get_num_threads()
+        self.repack = True  # False once the repacked weights crashed (see the module's docstring)
 
     def command(self, prompt_ids: list[int], params: SamplingParams) -> list[str]:
         text = self.tokenizer.decode(prompt_ids, skip_special_tokens=False)
@@ -62,7 +70,7 @@ class LlamaCppDecoder(Decoder):
         # the drafts its last forward accepted, which are cut, as this engine's are).
         cmd = [str(self.binary), "-m", str(self.gguf), "-p", text, "-n", str(max(params.max_tokens - 1, 1)),
                "-t", str(self.threads), "-tb", str(self.threads), "-c", str(self.context),
-               "--spec-draft-n-max", str(self.draft_length), "-lv", "5"]
+               "--spec-draft-n-max", str(self.draft_length), "-lv", "5"] + ([] if self.repack else ["--no-repack"])
         if params.greedy:
             return cmd + ["--temp", "0"]
         return cmd + ["--temp", str(params.temperature), "--top-k", str(params.top_k), "--top-p", str(params.top_p),
@@ -70,11 +78,22 @@ class LlamaCppDecoder(Decoder):
 
     def decode(self, prompt_ids: list[int], params: SamplingParams) -> Decoded:
         proc = subprocess.run(self.command(prompt_ids, params), capture_output=True, text=True, errors="replace")
-        log = proc.stdout + proc.stderr
+        if proc.returncode < 0 and self.repack:  # killed by a signal: try once more without repacking
+            log.warning("%s: llama-lookup died of signal %d with repacked weights; running it with --no-repack",
+                        self.name, -proc.returncode)
+            self.repack = False
+            proc = subprocess.run(self.command(prompt_ids, params), capture_output=True, text=True, errors="replace")
+        out = proc.stdout + proc.stderr
         if proc.returncode != 0:
-            tail = " | ".join(log.strip().splitlines()[-3:])
+            tail = " | ".join(out.strip().splitlines()[-3:])
             raise PeerError(f"llama-lookup exited with {proc.returncode}: {tail}")
-        return parse_lookup_log(log, params.max_tokens, self.draft_length, self.eos_token_ids)
+        return parse_lookup_log(out, params.max_tokens, self.draft_length, self.eos_token_ids)
+
+    def describe(self) -> dict:
+        out = super().describe()
+        if not self.repack:
+            out["note"] = "ran with --no-repack: its repacked weights crashed on this machine"
+        return out
 
 
 def parse_lookup_log(log: str, max_tokens: int, draft_length: int, eos_token_ids: tuple[int, ...] = ()) -> Decoded:

@@ -118,6 +118,9 @@ def spec_markdown(result: dict) -> str:
     for name, why in result["not_applicable"].items():
         lines.append(f"| {name} | {LLAMACPP if name.startswith('llamacpp') else 'hf'} | n/a | n/a | n/a |"
                      + (" n/a |" if llamacpp else "") + f" n/a | n/a ({why}) |")
+    notes = [f"{c['name']} {c['note']}" for c in result["configs"] if c.get("note")]
+    if notes:
+        lines += ["", "Notes: " + "; ".join(notes) + "."]
     spec = [c["name"] for c in result["configs"] if c["name"] not in (PLAIN, HF_PLAIN, LLAMACPP_PLAIN)]
     if spec:
         lines += ["", "Speedup over the same engine's plain decoding (MAL), per category:", "",

@@ -80,6 +80,36 @@ def test_a_peer_that_crashes_is_an_error_row_and_the_benchmark_goes_on(tiny_targ
     assert "Errors (4 runs, left out of the numbers)" in markdown and "| x llama.cpp |" in markdown
 
 
+def test_a_peer_whose_repacked_weights_crash_runs_again_without_them(tiny_target, tmp_path):
+    """As llama.cpp's AMX matmul does on one Xeon here: killed by a signal unless --no-repack."""
+    target = load_model(str(tiny_target))
+    (tmp_path / "ok.log").write_text(lookup_log([], [(5, "a"), (6, "b")], 0))
+    fake = tmp_path / "llama-lookup"
+    fake.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/calls\ncase " $* " in *" --no-repack "*) '
+                    f'cat {tmp_path}/ok.log ;; *) kill -SEGV $$ ;; esac\n')
+    fake.chmod(0o755)
+    peer = LlamaCppDecoder(LLAMACPP_PLAIN, tmp_path / "model.gguf", target.tokenizer, target.eos_token_ids, 0,
+                           binary=fake)
+    assert "note" not in peer.describe()
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    assert peer.decode([1, 2, 3], params).token_ids == [5, 6]
+    assert peer.decode([1, 2, 3], params).token_ids == [5, 6]
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert ["--no-repack" in c for c in calls] == [False, True, True]  # one crash, then without repacking
+    assert "--no-repack" in peer.describe()["note"]
+    result = run_spec([Question(1, "writing", "w5 w6")], [encode_prompt(target.tokenizer, "w5 w6", chat=True)],
+                      [EngineDecoder(PLAIN, target, None, "none", 0), peer], SpecSettings(max_tokens=2, repeats=1),
+                      progress=False)
+    result.update(meta={"date": "2026-01-01T00:00:00Z", "commit": "abc", "dirty": False,
+                        "machine": {"cpu": "x", "cores": 1, "python": "3"}}, target="tiny", draft="none")
+    assert "Notes: llamacpp_plain ran with --no-repack" in spec_markdown(result)
+    crash = LlamaCppDecoder(LLAMACPP_PLAIN, tmp_path / "model.gguf", target.tokenizer, target.eos_token_ids, 0,
+                            binary=Path("/bin/false"))
+    with pytest.raises(PeerError, match="exited with 1"):  # an exit code is an error, not a retry
+        crash.decode([1, 2, 3], params)
+    assert crash.repack
+
+
 def test_unknown_peers_and_non_gguf_targets_are_refused(tiny_target):
     target = load_model(str(tiny_target))
     with pytest.raises(ValueError, match="--peers: 'vllm'"):
