@@ -48,7 +48,10 @@ def full_vocabulary_head(head: FeatureHead, target) -> FeatureHead:
 def proposer(head_path: str, target, embed, weights: str, full: bool) -> HeadProposer:
     os.environ[HEAD_WEIGHTS_ENV] = weights
     head = FeatureHead.load(Path(head_path))
-    return HeadProposer(full_vocabulary_head(head, target) if full else head, embed, target.config.vocab_size)
+    # every call drafts all k levels: greedy drafting stops where a level's mass is low (this
+    # random context's), which would time fewer levels than the table divides by
+    return HeadProposer(full_vocabulary_head(head, target) if full else head, embed, target.config.vocab_size,
+                        min_level_mass=0.0)
 
 
 def main(argv=None) -> int:
@@ -80,7 +83,7 @@ def main(argv=None) -> int:
 
     def draft(name: str) -> None:
         tree = configs[name].propose([ProposeItem(seqs[name], args.k, args.k, [])])[0]
-        assert len(tree) == args.k
+        assert len(tree) == args.k, f"{name}: a chain of {len(tree)}, not {args.k}"
 
     times: dict[str, list[float]] = {name: [] for name in ["target"] + list(configs)}
     for _ in range(args.repeats + 2):  # interleaved; the first two untimed
