@@ -19,6 +19,7 @@ Settings (environment; every other SPECSERVE_* variable passes through to the se
   SPECSERVE_STOP_TIMEOUT     seconds between SIGTERM and SIGKILL on shutdown (default 20)
   SPECSERVE_RUN_DIR          where logs (<role>.log) and pid files (<role>.pid) go (default .run/)
   SPECSERVE_DRAFT_ADDRS      local: n-gram drafting inside the scheduler, and no draft service
+  SPECSERVE_VERIFIER_ADDRS   local: the target inside the scheduler, and no verifier service
 """
 
 from __future__ import annotations
@@ -86,8 +87,8 @@ def find_redis_server() -> str:
 
 def plan(env: dict[str, str], run_dir: Path) -> tuple[list[tuple[str, list[str]]], dict[str, str], dict]:
     """The commands to run (name, argv), the environment for the services, and the ports."""
-    local_draft = env.get("SPECSERVE_DRAFT_ADDRS", "").strip() == "local"
-    roles = [role for role in START_ORDER if not (role == "draft" and local_draft)]
+    local = {role for role in ("draft", "verifier") if env.get(f"SPECSERVE_{role.upper()}_ADDRS", "").strip() == "local"}
+    roles = [role for role in START_ORDER if role not in local]
     ports = {role: int(env.get(f"SPECSERVE_{role.upper()}_PORT", DEFAULT_PORTS[role])) for role in roles}
     http_port = int(env.get("SPECSERVE_HTTP_PORT", DEFAULT_HTTP_PORT))
     commands, child_env, redis_port = [], {**env, "PYTHONUNBUFFERED": "1"}, None
@@ -99,8 +100,8 @@ def plan(env: dict[str, str], run_dir: Path) -> tuple[list[tuple[str, list[str]]
                                    "--save", "", "--appendonly", "no", "--dir", str(run_dir)]))
         child_env["REDIS_URL"] = f"redis://127.0.0.1:{redis_port}/0"
     addr = {role: f"127.0.0.1:{port}" for role, port in ports.items()}
-    extra = {"scheduler": ["--draft-addrs", "local" if local_draft else addr["draft"],
-                           "--verifier-addrs", addr["verifier"]],
+    extra = {"scheduler": ["--draft-addrs", "local" if "draft" in local else addr["draft"],
+                           "--verifier-addrs", "local" if "verifier" in local else addr["verifier"]],
              "gateway": ["--scheduler-addrs", addr["scheduler"], "--http-port", str(http_port)]}
     for role in roles:
         commands.append((role, [sys.executable, "-m", "services.cli", "serve", role,

@@ -91,29 +91,37 @@ async def _draft_worker(args, thread) -> StepWorker:
 
 
 async def serve_verifier(args) -> None:
-    from services.common.constraint import Constraints
-    from services.common.loading import load_model
-    from services.verifier.verifier import Verifier, VerifyWork
     from specserve.v1 import verifier_pb2, verifier_pb2_grpc
 
     servicer = StepServicer(None, codec.VERIFIER)
     _, server = _server(args, "verifier", verifier_pb2, "VerifierService",
                         verifier_pb2_grpc.add_VerifierServiceServicer_to_server, servicer)
     async with server:  # NOT_SERVING while it loads
-        thread = model_thread("verifier")  # loads the model too (worker.py: one OpenMP thread team)
-        target = await on_model_thread(thread, load_model, args.target, device=args.device, dtype=args.dtype,
-                                       weight_format=args.weights)
-        grammars = Constraints(target.tokenizer, target.config.vocab_size, target.eos_token_ids)
-        verifier = await on_model_thread(thread, Verifier, target.model, grammars)
-        metrics = _worker_metrics("verifier", args)
-        metrics.weight_bytes.set(target.model.weight_bytes())
-        servicer.bind(StepWorker(_worker_info("verifier", target, args.device), 1, VerifyWork(verifier),
-                                 metrics, thread))
+        servicer.bind(await _verifier_worker(args, model_thread("verifier"), _worker_metrics("verifier", args)))
         await server.ready()
         await server.run(float(args.grace_period))
 
 
-LOCAL = "local"  # the --draft-addrs value that drafts (n-gram) in the scheduler's own process
+async def _verifier_worker(args, thread, metrics: WorkerMetrics | None = None) -> StepWorker:
+    """The target, loaded on its model thread (worker.py: one OpenMP thread team), as a step worker."""
+    from services.common.constraint import Constraints
+    from services.common.loading import load_model
+    from services.verifier.verifier import Verifier, VerifyWork
+
+    target = await on_model_thread(thread, load_model, args.target, device=args.device, dtype=args.dtype,
+                                   weight_format=args.weights)
+    grammars = Constraints(target.tokenizer, target.config.vocab_size, target.eos_token_ids)
+    verifier = await on_model_thread(thread, Verifier, target.model, grammars)
+    if metrics is not None:
+        metrics.weight_bytes.set(target.model.weight_bytes())
+    return StepWorker(_worker_info("verifier", target, args.device), 1, VerifyWork(verifier), metrics, thread)
+
+
+LOCAL = "local"  # the --draft-addrs (n-gram) or --verifier-addrs value: that worker in the scheduler's process
+
+
+def local_verifier(args) -> bool:
+    return LOCAL in split_addrs(getattr(args, "verifier_addrs", None))
 
 
 def _local_draft(info: common_pb2.InfoResponse, grammars):
@@ -151,6 +159,22 @@ async def _drafts(args, info: common_pb2.InfoResponse, spans, grammars, credenti
     return drafts, draft_info.proposer
 
 
+async def _verifiers(args, spans, credentials=None):
+    """The scheduler's verifier workers and the target's Info: remote replicas, or (local) the
+    target in this process on its own model thread: no verify hop, one process to scale."""
+    from services.scheduler.replicas import RemoteWorkers
+    from services.scheduler.workers import LocalWorkers
+
+    addrs = split_addrs(args.verifier_addrs)
+    if LOCAL in addrs:
+        if len(addrs) > 1:
+            raise ValueError(f"--verifier-addrs {LOCAL} verifies in the scheduler; it takes no other replica")
+        worker = await _verifier_worker(args, model_thread("verifier"))
+        return LocalWorkers("verifier", worker, contain_errors=True, executor=worker.executor), worker.info
+    verifiers = RemoteWorkers("verifier", addrs, spans, credentials)
+    return verifiers, await verifiers.info()
+
+
 def _step_config(args):
     from services.scheduler.core import StepConfig
 
@@ -183,11 +207,9 @@ async def _run_scheduler(args, tls: Tls, server: GrpcServer, servicer) -> None:
     from services.scheduler.loop import SchedulerLoop
     from services.scheduler.observers import MetricsObserver, SpansObserver, StepLogObserver
     from services.scheduler.priors import Priors
-    from services.scheduler.replicas import RemoteWorkers
 
     spans = RequestSpans("specserve.scheduler")  # the servicer opens each request's span
-    verifiers = RemoteWorkers("verifier", split_addrs(args.verifier_addrs), spans, tls.channel_credentials())
-    info = await verifiers.info()  # the target's facts come from a verifier
+    verifiers, info = await _verifiers(args, spans, tls.channel_credentials())  # the target's facts
     tokenizer = AutoTokenizer.from_pretrained(resolve_checkpoint(args.target))
     eos = set(info.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
     grammars = Constraints(tokenizer, info.vocab_size, tuple(sorted(eos)))
@@ -244,12 +266,13 @@ ROLE_MAIN = {"draft": serve_draft, "verifier": serve_verifier, "scheduler": serv
              "gateway": serve_gateway}
 
 
-def torch_threads(role: str, threads: str | None) -> int | None:
+def torch_threads(role: str, threads: str | None, runs_target: bool = False) -> int | None:
     """The torch thread count a role runs with (None: torch's default, one per core). Roles with
     no model forward, and the draft unless told otherwise (--threads), keep to one: idle OpenMP
-    workers spin on the cores the verifier's forward needs (on a small machine all share them)."""
+    workers spin on the cores the verifier's forward needs (on a small machine all share them).
+    `runs_target`: a scheduler with the target in its process (--verifier-addrs local)."""
     if threads in (None, "auto"):
-        return None if role == "verifier" else 1
+        return None if role == "verifier" or runs_target else 1
     try:
         return positive_int(threads, "--threads")
     except ValueError as e:
@@ -257,7 +280,7 @@ def torch_threads(role: str, threads: str | None) -> int | None:
 
 
 def serve(role: str, args) -> None:
-    threads = torch_threads(role, getattr(args, "threads", None))
+    threads = torch_threads(role, getattr(args, "threads", None), role == "scheduler" and local_verifier(args))
     if threads is not None:
         import torch
 

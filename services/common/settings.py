@@ -12,6 +12,9 @@ from dataclasses import dataclass
 
 ROLES = ("draft", "verifier", "scheduler", "gateway")
 
+# Roles that load a model: the scheduler does when it verifies itself (--verifier-addrs local).
+MODEL_ROLES = ("draft", "verifier", "scheduler")
+
 # native: a GGUF model's quantized blocks as stored (CPU); float32: dequantized at load (into --dtype)
 WEIGHT_FORMATS = ("native", "float32")
 
@@ -47,20 +50,21 @@ OPTIONS: tuple[Option, ...] = (
     Option("--slim-guard-points", "SPECSERVE_SLIM_GUARD_POINTS", "5", ("draft",),
            "SlimSpec guard: switch to the full head when the slim head's rolling acceptance rate falls "
            "more than this many percentage points below the full head's calibrated rate"),
-    Option("--device", "SPECSERVE_DEVICE", "cpu", ("draft", "verifier"), "cpu, cuda or auto"),
-    Option("--dtype", "SPECSERVE_DTYPE", "auto", ("draft", "verifier"), "auto, float32, bfloat16, float16"),
-    Option("--threads", "SPECSERVE_THREADS", "auto", ("draft", "verifier"),
+    Option("--device", "SPECSERVE_DEVICE", "cpu", MODEL_ROLES, "cpu, cuda or auto"),
+    Option("--dtype", "SPECSERVE_DTYPE", "auto", MODEL_ROLES, "auto, float32, bfloat16, float16"),
+    Option("--threads", "SPECSERVE_THREADS", "auto", MODEL_ROLES,
            "torch CPU threads: a number, or auto: 1 for the draft (its forwards are small, and the idle "
            "OpenMP workers of a second thread team spin on the cores the verifier's forward needs), "
-           "one per core for the verifier"),
-    Option("--weights", "SPECSERVE_WEIGHTS", "native", ("draft", "verifier"),
+           "one per core for the verifier (and a scheduler that verifies itself: --verifier-addrs local)"),
+    Option("--weights", "SPECSERVE_WEIGHTS", "native", MODEL_ROLES,
            "native: a GGUF model's Q4_0/Q4_1/Q8_0 weights run as stored (int4 matmul, CPU); float32: "
            "dequantized at load"),
     Option("--draft-addrs", "SPECSERVE_DRAFT_ADDRS", "127.0.0.1:50052", ("scheduler",),
            "comma-separated draft replicas (host:port), or local: n-gram drafting inside the scheduler "
            "(no draft service, no draft hop)"),
     Option("--verifier-addrs", "SPECSERVE_VERIFIER_ADDRS", "127.0.0.1:50053", ("scheduler",),
-           "comma-separated verifier replicas (host:port)"),
+           "comma-separated verifier replicas (host:port), or local: the target in the scheduler's process "
+           "(no verifier service, no verify hop; --device, --dtype, --weights and --threads apply to it)"),
     Option("--scheduler-addrs", "SPECSERVE_SCHEDULER_ADDRS", "127.0.0.1:50051", ("gateway",),
            "comma-separated scheduler replicas (host:port)"),
     Option("--draft-length", "SPECSERVE_DRAFT_LENGTH", "adaptive", ("scheduler",),

@@ -160,6 +160,11 @@ def test_dry_run_prints_the_commands_and_starts_nothing(launcher):
     assert res.returncode == 0 and "serve draft" not in res.stdout
     assert "--draft-addrs local" in next(ln for ln in res.stdout.splitlines() if "serve scheduler" in ln)
 
+    launcher.env["SPECSERVE_VERIFIER_ADDRS"] = "local"  # the target in the scheduler: no verifier service
+    res = launcher.run("--dry-run")
+    assert res.returncode == 0 and "serve verifier" not in res.stdout and "serve draft" not in res.stdout
+    assert "--verifier-addrs local" in next(ln for ln in res.stdout.splitlines() if "serve scheduler" in ln)
+
 
 def test_a_port_in_use_is_refused_before_anything_starts(launcher):
     with socket.socket() as busy:

@@ -1,7 +1,8 @@
 """One step, two drivers: the scheduler service (real processes over gRPC) and the in-process
 engine give the same tokens for every configuration: plain decoding, chains and trees, the model
 draft, the feature head (the target's states travel verifier -> scheduler -> draft) and the n-gram
-(the scheduler's own, and a draft service's), adaptive, and sampling with a seed at a fixed k."""
+(the scheduler's own, and a draft service's), adaptive, and sampling with a seed at a fixed k; and
+the same with the target in the scheduler's process (--verifier-addrs local)."""
 
 import asyncio
 import json
@@ -46,6 +47,11 @@ CONFIGS = {
     "model-tree-chunked": ("model-chunked", "model", 3, 5, GREEDY),
     "model-tree-sampled-chunked": ("model-chunked", "model", 3, 5, SAMPLED),
     "head-tree-chunked": ("head-chunked", "head", 3, 5, GREEDY),
+    # the target in the scheduler's process, its draft the scheduler's n-gram or the head's service
+    "colocated-plain": ("colocated", "ngram", 0, None, GREEDY),
+    "colocated-ngram-tree": ("colocated", "ngram", 4, 8, GREEDY),
+    "colocated-ngram-adaptive": ("colocated-adaptive", "ngram", "adaptive", None, GREEDY),
+    "colocated-head-tree-sampled": ("colocated-head", "head", 3, 5, SAMPLED),
 }
 CHUNKED = dict(max_batch=4, max_step_tokens=4)
 
@@ -54,7 +60,8 @@ CHUNKED = dict(max_batch=4, max_step_tokens=4)
 def schedulers(tmp_path_factory, home, stack):
     """The stack's scheduler (model draft service, fixed k), one adaptive over the same draft
     service, one adaptive drafting by n-gram in its own process, and a fixed and an adaptive one
-    over a feature-head draft service, and one over an n-gram draft service (with a step log)."""
+    over a feature-head draft service, and one over an n-gram draft service (with a step log); and
+    three with the target in their own process (n-gram fixed and adaptive, the head's service)."""
     root = tmp_path_factory.mktemp("identity")
     st = Stack(root, stack_env(home))
     common = ["--target", str(stack.target), "--verifier-addrs", stack.verifier_addr]
@@ -75,12 +82,18 @@ def schedulers(tmp_path_factory, home, stack):
         chunk = ["--max-batch", str(CHUNKED["max_batch"]), "--max-step-tokens", str(CHUNKED["max_step_tokens"])]
         chunked = st.start("scheduler", *common, "--draft-addrs", stack.draft_addr, *chunk)
         chunked_head = st.start("scheduler", *common, "--draft-addrs", head.addr, *chunk)
-        for svc in (adaptive, ngram, fixed_head, adaptive_head, chunked, chunked_head, lookup_sched):
+        own = ["--target", str(stack.target), "--verifier-addrs", "local"]
+        colocated = st.start("scheduler", *own, "--draft-addrs", "local")
+        colocated_adaptive = st.start("scheduler", *own, "--draft-addrs", "local", *adapt)
+        colocated_head = st.start("scheduler", *own, "--draft-addrs", head.addr)
+        for svc in (adaptive, ngram, fixed_head, adaptive_head, chunked, chunked_head, lookup_sched, colocated,
+                    colocated_adaptive, colocated_head):
             st.wait_healthy(svc)
         yield {"model": stack.scheduler_addr, "model-adaptive": adaptive.addr, "ngram": ngram.addr,
                "head": fixed_head.addr, "head-adaptive": adaptive_head.addr, "model-chunked": chunked.addr,
                "head-chunked": chunked_head.addr, "ngram-service": lookup_sched.addr, "head-dir": root / "head",
-               "ngram-service-log": root / "steps"}
+               "ngram-service-log": root / "steps", "colocated": colocated.addr,
+               "colocated-adaptive": colocated_adaptive.addr, "colocated-head": colocated_head.addr}
     finally:
         st.stop_all()
 
