@@ -270,3 +270,19 @@ def test_the_target_writes_prompts_that_the_teacher_then_answers(tmp_path):
     written, _ = feature_data.written_prompts(tmp_path / "hf", plan, target.tokenizer, None)
     asked = [target.tokenizer.decode(s.ids[: s.prompt_len]) for s in samples]
     assert len(written) == 3 and len(samples) == 6 and all(any(w in a for a in asked) for w in written)
+
+
+def test_the_schedule_is_refitted_to_the_budget_as_steps_slow_down():
+    plan = head_trainer.TrainPlan(steps=4000, unroll=3, lr=1e-3, batch_tokens=64, seed=0, minutes=10)
+    run = {"step": 3, "total": 4000, "seconds": 0.0}
+    head_trainer._fit_schedule(run, plan, 6.0)  # 2 s a step: 300 steps fit 600 s
+    assert run["total"] == 300
+    run["step"] = 100
+    head_trainer._fit_schedule(run, plan, 300.0)  # 3 s a step so far: 100 more fit the 300 s left
+    assert run["total"] == 200
+    run["step"] = 199
+    head_trainer._fit_schedule(run, plan, 700.0)  # over budget: the schedule ends with the next step
+    assert run["total"] == 200
+    run["step"] = 3
+    head_trainer._fit_schedule(run, replace(plan, steps=50), 3.0)  # never past the steps asked for
+    assert run["total"] == 50
