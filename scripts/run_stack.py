@@ -87,7 +87,8 @@ def find_redis_server() -> str:
 
 def plan(env: dict[str, str], run_dir: Path) -> tuple[list[tuple[str, list[str]]], dict[str, str], dict]:
     """The commands to run (name, argv), the environment for the services, and the ports."""
-    local = {role for role in ("draft", "verifier") if env.get(f"SPECSERVE_{role.upper()}_ADDRS", "").strip() == "local"}
+    local = {role for role in ("draft", "verifier")
+             if env.get(f"SPECSERVE_{role.upper()}_ADDRS", "").strip() == "local"}
     roles = [role for role in START_ORDER if role not in local]
     ports = {role: int(env.get(f"SPECSERVE_{role.upper()}_PORT", DEFAULT_PORTS[role])) for role in roles}
     http_port = int(env.get("SPECSERVE_HTTP_PORT", DEFAULT_HTTP_PORT))

@@ -97,24 +97,24 @@ async def serve_verifier(args) -> None:
     _, server = _server(args, "verifier", verifier_pb2, "VerifierService",
                         verifier_pb2_grpc.add_VerifierServiceServicer_to_server, servicer)
     async with server:  # NOT_SERVING while it loads
-        servicer.bind(await _verifier_worker(args, model_thread("verifier"), _worker_metrics("verifier", args)))
+        thread = model_thread("verifier")  # loads the model too (worker.py: one OpenMP thread team)
+        target, work = await on_model_thread(thread, _verify_work, args)
+        metrics = _worker_metrics("verifier", args)
+        metrics.weight_bytes.set(target.model.weight_bytes())
+        servicer.bind(StepWorker(_worker_info("verifier", target, args.device), 1, work, metrics, thread))
         await server.ready()
         await server.run(float(args.grace_period))
 
 
-async def _verifier_worker(args, thread, metrics: WorkerMetrics | None = None) -> StepWorker:
-    """The target, loaded on its model thread (worker.py: one OpenMP thread team), as a step worker."""
+def _verify_work(args):
+    """The target and its verifier, a step's work, loaded on the thread that will run its steps."""
     from services.common.constraint import Constraints
     from services.common.loading import load_model
     from services.verifier.verifier import Verifier, VerifyWork
 
-    target = await on_model_thread(thread, load_model, args.target, device=args.device, dtype=args.dtype,
-                                   weight_format=args.weights)
+    target = load_model(args.target, device=args.device, dtype=args.dtype, weight_format=args.weights)
     grammars = Constraints(target.tokenizer, target.config.vocab_size, target.eos_token_ids)
-    verifier = await on_model_thread(thread, Verifier, target.model, grammars)
-    if metrics is not None:
-        metrics.weight_bytes.set(target.model.weight_bytes())
-    return StepWorker(_worker_info("verifier", target, args.device), 1, VerifyWork(verifier), metrics, thread)
+    return target, VerifyWork(Verifier(target.model, grammars))
 
 
 LOCAL = "local"  # the --draft-addrs (n-gram) or --verifier-addrs value: that worker in the scheduler's process
@@ -161,7 +161,10 @@ async def _drafts(args, info: common_pb2.InfoResponse, spans, grammars, credenti
 
 async def _verifiers(args, spans, credentials=None):
     """The scheduler's verifier workers and the target's Info: remote replicas, or (local) the
-    target in this process on its own model thread: no verify hop, one process to scale."""
+    target in this process, loaded and stepped on the event loop's thread as the in-process engine
+    steps it: no verify hop, and no second thread taking the cores from the forward's OpenMP team.
+    A step then holds the loop (health checks, new calls and token writes wait for it): decoding
+    steps are short, and --max-step-tokens bounds a long prompt's."""
     from services.scheduler.replicas import RemoteWorkers
     from services.scheduler.workers import LocalWorkers
 
@@ -169,8 +172,9 @@ async def _verifiers(args, spans, credentials=None):
     if LOCAL in addrs:
         if len(addrs) > 1:
             raise ValueError(f"--verifier-addrs {LOCAL} verifies in the scheduler; it takes no other replica")
-        worker = await _verifier_worker(args, model_thread("verifier"))
-        return LocalWorkers("verifier", worker, contain_errors=True, executor=worker.executor), worker.info
+        target, work = _verify_work(args)
+        worker = StepWorker(_worker_info("verifier", target, args.device), 1, work)
+        return LocalWorkers("verifier", worker, contain_errors=True), worker.info
     verifiers = RemoteWorkers("verifier", addrs, spans, credentials)
     return verifiers, await verifiers.info()
 

@@ -63,8 +63,9 @@ OPTIONS: tuple[Option, ...] = (
            "comma-separated draft replicas (host:port), or local: n-gram drafting inside the scheduler "
            "(no draft service, no draft hop)"),
     Option("--verifier-addrs", "SPECSERVE_VERIFIER_ADDRS", "127.0.0.1:50053", ("scheduler",),
-           "comma-separated verifier replicas (host:port), or local: the target in the scheduler's process "
-           "(no verifier service, no verify hop; --device, --dtype, --weights and --threads apply to it)"),
+           "comma-separated verifier replicas (host:port), or local: the target in the scheduler's process, "
+           "stepped on its event loop (no verifier service, no verify hop; --device, --dtype, --weights and "
+           "--threads apply to it; --max-step-tokens bounds how long a step holds the loop)"),
     Option("--scheduler-addrs", "SPECSERVE_SCHEDULER_ADDRS", "127.0.0.1:50051", ("gateway",),
            "comma-separated scheduler replicas (host:port)"),
     Option("--draft-length", "SPECSERVE_DRAFT_LENGTH", "adaptive", ("scheduler",),

@@ -1,8 +1,9 @@
 """The scheduler service's driver of the step (core.py): steps while requests run, streams each
 request's committed tokens to its Generate call as events, drains on shutdown.
 
-The draft and verifier are remote replicas (replicas.py) or, for the n-gram, this process
-(workers.py: LocalWorkers); either way the step is the in-process engine's.
+The draft and verifier are remote replicas (replicas.py) or this process (workers.py:
+LocalWorkers, the n-gram draft and the target with `local`); either way the step is the
+in-process engine's.
 """
 
 from __future__ import annotations
@@ -103,6 +104,8 @@ class SchedulerLoop:
                         self._emit(live, tokens)
                 if self.core.all_held():
                     await asyncio.sleep(HOLD_POLL_S)  # no verifier: do not spin until one returns
+                else:  # in-process workers never suspend a step: let the streams write its tokens
+                    await asyncio.sleep(0)
             except Exception:  # never let one bad step kill the loop
                 log.exception("step failed")
                 await asyncio.sleep(0.05)

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from services.common.hidden_states import HiddenStates
 from services.common.sampling import SamplingParams
 from services.common.tree import DraftTree
-from services.common.worker import StepWorker, WorkItem, on_model_thread
+from services.common.worker import StepWorker, WorkItem
 
 log = logging.getLogger(__name__)
 
@@ -93,34 +92,27 @@ def collect(reply: Reply, sent: dict[str, int], works: list[Work], items: list[W
 
 
 class LocalWorkers(Workers):
-    """A worker in this process. `contain_errors`: a failed step is logged and costs its results
-    (and the worker's state), as a broken stream would (the scheduler's own n-gram draft and
-    target); otherwise it raises (the in-process engine). `executor`: the worker's model thread
-    (worker.py), where its steps and releases then run while the event loop goes on; releases wait
-    for the next step or flush, as a remote worker's do, so none lands inside a running step."""
+    """A worker in this process, stepped on the caller's thread. `contain_errors`: a failed step is
+    logged and costs its results (and the worker's state), as a broken stream would (the scheduler's
+    own n-gram draft and target); otherwise it raises (the in-process engine)."""
 
     def __init__(self, kind: str, worker: StepWorker, max_positions: int | None = None,
-                 contain_errors: bool = False, feature_layers: tuple[int, ...] = (), min_match: int = 0,
-                 executor: ThreadPoolExecutor | None = None):
+                 contain_errors: bool = False, feature_layers: tuple[int, ...] = (), min_match: int = 0):
         self.kind, self.worker, self.max_positions = kind, worker, max_positions
         self.feature_layers, self.min_match = tuple(feature_layers), min_match
-        self.contain_errors, self.executor = contain_errors, executor
+        self.contain_errors = contain_errors
         self.sent: dict[str, int] = {}  # request id -> committed tokens the worker has
-        self.releases: list[str] = []  # with an executor: to free before the next step
-
-    async def _call(self, fn, *args):
-        return fn(*args) if self.executor is None else await on_model_thread(self.executor, fn, *args)
 
     async def step(self, step_id: int, works: list[Work]) -> Reply:
         items = [work_item(w, self.sent.get(w.req_id, 0)) for w in works]
-        release, self.releases, reply = self.releases, [], Reply()
+        reply = Reply()
         try:
-            out = await self._call(self.worker.step, step_id, release, items)
+            out = self.worker.step(step_id, [], items)
         except Exception:
             if not self.contain_errors:
                 raise
             log.exception("in-process %s step %d failed", self.kind, step_id)
-            await self._call(self.worker.release_all, self.worker.sequences.ids())
+            self.worker.release_all(self.worker.sequences.ids())
             self.sent.clear()
             return reply
         collect(reply, self.sent, works, items, out.results)
@@ -129,12 +121,4 @@ class LocalWorkers(Workers):
 
     def release(self, req_id: str) -> None:
         self.sent.pop(req_id, None)
-        if self.executor is None:
-            self.worker.release(req_id)
-        else:
-            self.releases.append(req_id)
-
-    async def flush(self) -> None:
-        if self.releases:
-            pending, self.releases = self.releases, []
-            await self._call(self.worker.release_all, pending)
+        self.worker.release(req_id)

@@ -7,6 +7,7 @@ the same with the target in the scheduler's process (--verifier-addrs local)."""
 import asyncio
 import json
 
+import grpc
 import pytest
 
 from services.common.loading import load_model
@@ -18,8 +19,9 @@ from services.scheduler.core import StepConfig
 from services.scheduler.engine import Engine
 from tests import tiny
 from tests.integration.stack import Stack, stack_env
-from tests.integration.test_services import generate
+from tests.integration.test_services import generate, state
 from tests.unit.test_greedy_identity import assert_asked_only_where_the_end_recurs
+from specserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5], [20, 21, 22, 20, 21], [9, 10, 11]]
 GREEDY = dict(max_tokens=20)
@@ -134,3 +136,35 @@ def test_the_scheduler_asks_an_ngram_draft_service_only_where_it_can_match(sched
         outputs.append(got["token_ids"])
     lines = [json.loads(line) for line in log.read_text().splitlines()[seen:]]
     assert_asked_only_where_the_end_recurs(lines, prompts, outputs, GREEDY["max_tokens"])
+
+
+def test_a_scheduler_that_verifies_itself_streams_while_it_decodes(schedulers):
+    """Its steps never wait on a worker, so the loop yields after each one: a request arriving after
+    a long one's first tokens joins its steps and finishes first (were the loop held, the long
+    request's tokens would reach its client only at its end, and the short one would run alone)."""
+    addr = schedulers["colocated"]
+
+    async def run():
+        started, finished = asyncio.Event(), []
+        async with grpc.aio.insecure_channel(addr) as ch:
+            params = common_pb2.SamplingParams(max_tokens=200, ignore_eos=True)
+            calls = scheduler_pb2_grpc.SchedulerServiceStub(ch).Generate(
+                scheduler_pb2.GenerateRequest(request_id="long", prompt_ids=[9, 10, 11], params=params), timeout=120)
+
+            async def long():
+                async for ev in calls:
+                    started.set()
+                    if ev.finish_reason:
+                        finished.append("long")
+
+            async def short():
+                await started.wait()
+                await generate(addr, "short", [20, 21, 22], max_tokens=3)
+                finished.append("short")
+
+            await asyncio.gather(long(), short())
+        return finished
+
+    assert state(addr, scheduler_pb2_grpc.SchedulerServiceStub).max_batch_seen <= 1  # the other tests: one at a time
+    assert asyncio.run(run()) == ["short", "long"]
+    assert state(addr, scheduler_pb2_grpc.SchedulerServiceStub).max_batch_seen == 2  # they shared steps

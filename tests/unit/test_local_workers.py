@@ -1,17 +1,12 @@
 """In-process workers (services/scheduler/workers.py: LocalWorkers) take the step as remote ones
 do: the first item carries every token and the parameters, later ones only the new tokens; a
 request's state stays until released; the scheduler's own n-gram draft (--draft-addrs local)
-survives a step it cannot take as a broken stream would (state dropped, resent from 0); on a model
-thread (the scheduler's own target, --verifier-addrs local) steps run there and releases wait for
-the next step or flush."""
-
-import asyncio
-import threading
+survives a step it cannot take as a broken stream would (state dropped, resent from 0)."""
 
 import pytest
 
 from services.common.sampling import SamplingParams
-from services.common.worker import StepWorker, model_thread
+from services.common.worker import StepWorker
 from services.draft.ngram import NgramProposer
 from services.draft.proposer import ProposeWork
 from services.scheduler.engine import run_now
@@ -58,34 +53,3 @@ def test_a_failed_step_costs_its_trees_and_the_state_when_contained():
 def test_the_engine_s_workers_raise_instead():
     with pytest.raises(RuntimeError, match="boom"):
         run_now(local(Boom(), contain_errors=False).step(0, [Work("a", TOKENS, P, 3, 3)]))
-
-
-class Where(NgramProposer):
-    """Records the thread each proposal runs on."""
-
-    def __init__(self):
-        super().__init__()
-        self.threads: list[str] = []
-
-    def propose(self, items):
-        self.threads.append(threading.current_thread().name)
-        return super().propose(items)
-
-
-def test_on_a_model_thread_steps_run_there_and_releases_wait_for_the_next_step():
-    async def run():
-        proposer, thread = Where(), model_thread("verifier")
-        drafts = LocalWorkers("draft", StepWorker(INFO, 0, ProposeWork(proposer), executor=thread), executor=thread)
-        await drafts.step(0, [Work("a", TOKENS, P, 3, 4), Work("b", TOKENS, P, 3, 4)])
-        assert proposer.threads and all(t.startswith("verifier") for t in proposer.threads)
-        drafts.release("a")  # a step could be running on the thread: the release waits for the next
-        assert drafts.worker.sequences.ids() == ["a", "b"] and "a" not in drafts.sent
-        reply = await drafts.step(1, [Work("a", TOKENS, P, 3, 4)])
-        assert reply.fresh == {"a"} and sorted(drafts.worker.sequences.ids()) == ["a", "b"]  # "a" afresh
-        drafts.release("a")
-        drafts.release("b")
-        await drafts.flush()
-        assert drafts.worker.sequences.ids() == [] and drafts.releases == []
-        thread.shutdown()
-
-    asyncio.run(run())
