@@ -120,8 +120,17 @@ def _verify_work(args):
 LOCAL = "local"  # the --draft-addrs (n-gram) or --verifier-addrs value: that worker in the scheduler's process
 
 
+def is_local(addrs: str | None, flag: str) -> bool:
+    """Whether a --*-addrs value puts that worker in the scheduler's own process (`local`, which
+    takes no other replica: ValueError)."""
+    listed = split_addrs(addrs)
+    if LOCAL in listed and len(listed) > 1:
+        raise ValueError(f"{flag} {LOCAL} runs that worker in the scheduler; it takes no other replica")
+    return LOCAL in listed
+
+
 def local_verifier(args) -> bool:
-    return LOCAL in split_addrs(getattr(args, "verifier_addrs", None))
+    return is_local(args.verifier_addrs, "--verifier-addrs")
 
 
 def _local_draft(info: common_pb2.InfoResponse, grammars):
@@ -144,12 +153,9 @@ async def _drafts(args, info: common_pb2.InfoResponse, spans, grammars, credenti
     """The scheduler's draft workers and the proposer's name (`grammars`: a local draft's)."""
     from services.scheduler.replicas import RemoteWorkers
 
-    addrs = split_addrs(args.draft_addrs)
-    if LOCAL in addrs:
-        if len(addrs) > 1:
-            raise ValueError(f"--draft-addrs {LOCAL} drafts in the scheduler; it takes no other replica")
+    if is_local(args.draft_addrs, "--draft-addrs"):
         return _local_draft(info, grammars)
-    drafts = RemoteWorkers("draft", addrs, spans, credentials)
+    drafts = RemoteWorkers("draft", split_addrs(args.draft_addrs), spans, credentials)
     try:
         draft_info = await drafts.info()
     except RuntimeError:
@@ -168,14 +174,11 @@ async def _verifiers(args, spans, credentials=None):
     from services.scheduler.replicas import RemoteWorkers
     from services.scheduler.workers import LocalWorkers
 
-    addrs = split_addrs(args.verifier_addrs)
-    if LOCAL in addrs:
-        if len(addrs) > 1:
-            raise ValueError(f"--verifier-addrs {LOCAL} verifies in the scheduler; it takes no other replica")
+    if local_verifier(args):
         target, work = _verify_work(args)
         worker = StepWorker(_worker_info("verifier", target, args.device), 1, work)
         return LocalWorkers("verifier", worker, contain_errors=True), worker.info
-    verifiers = RemoteWorkers("verifier", addrs, spans, credentials)
+    verifiers = RemoteWorkers("verifier", split_addrs(args.verifier_addrs), spans, credentials)
     return verifiers, await verifiers.info()
 
 

@@ -74,7 +74,7 @@ def test_bad_requests_fail_with_a_clear_message(home, tiny_target, args, message
 
 def test_threads_default_to_one_for_every_role_but_the_verifier():
     from services.cli import build_parser
-    from services.serve import local_verifier, torch_threads
+    from services.serve import is_local, local_verifier, torch_threads
 
     draft = build_parser().parse_args(["serve", "draft", "--draft", "models/head"])
     assert draft.threads == "auto" and torch_threads("draft", draft.threads) == 1
@@ -83,6 +83,10 @@ def test_threads_default_to_one_for_every_role_but_the_verifier():
     own = build_parser().parse_args(["serve", "scheduler", "--verifier-addrs", "local"])  # the target in it
     assert local_verifier(own) and torch_threads("scheduler", own.threads, local_verifier(own)) is None
     assert not local_verifier(build_parser().parse_args(["serve", "scheduler"]))
+    with pytest.raises(ValueError, match="--verifier-addrs local .* takes no other replica"):
+        local_verifier(build_parser().parse_args(["serve", "scheduler", "--verifier-addrs", "local,127.0.0.1:1"]))
+    with pytest.raises(ValueError, match="--draft-addrs local .* takes no other replica"):
+        is_local("127.0.0.1:1,local", "--draft-addrs")
     assert torch_threads("draft", build_parser().parse_args(["serve", "draft", "--threads", "2"]).threads) == 2
     for bad in ("0", "two"):
         with pytest.raises(SystemExit, match="--threads"):
