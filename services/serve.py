@@ -165,18 +165,21 @@ async def _drafts(args, info: common_pb2.InfoResponse, spans, grammars, credenti
     return drafts, draft_info.proposer
 
 
-async def _verifiers(args, spans, credentials=None):
+async def _verifiers(args, spans, registry: Registry, credentials=None):
     """The scheduler's verifier workers and the target's Info: remote replicas, or (local) the
     target in this process, loaded and stepped on the event loop's thread as the in-process engine
     steps it: no verify hop, and no second thread taking the cores from the forward's OpenMP team.
     A step then holds the loop (health checks, new calls and token writes wait for it): decoding
-    steps are short, and --max-step-tokens bounds a long prompt's."""
+    steps are short, and --max-step-tokens bounds a long prompt's. A local verifier's worker
+    metrics (step time, KV bytes, weights) go to the scheduler's `registry`."""
     from services.scheduler.replicas import RemoteWorkers
     from services.scheduler.workers import LocalWorkers
 
     if local_verifier(args):
         target, work = _verify_work(args)
-        worker = StepWorker(_worker_info("verifier", target, args.device), 1, work)
+        metrics = WorkerMetrics(registry, cuda_memory(args.device))
+        metrics.weight_bytes.set(target.model.weight_bytes())
+        worker = StepWorker(_worker_info("verifier", target, args.device), 1, work, metrics)
         return LocalWorkers("verifier", worker, contain_errors=True), worker.info
     verifiers = RemoteWorkers("verifier", split_addrs(args.verifier_addrs), spans, credentials)
     return verifiers, await verifiers.info()
@@ -216,14 +219,15 @@ async def _run_scheduler(args, tls: Tls, server: GrpcServer, servicer) -> None:
     from services.scheduler.priors import Priors
 
     spans = RequestSpans("specserve.scheduler")  # the servicer opens each request's span
-    verifiers, info = await _verifiers(args, spans, tls.channel_credentials())  # the target's facts
+    metrics = SchedulerMetrics(Registry("scheduler"))
+    # the target's facts; a local verifier's worker metrics join the scheduler's
+    verifiers, info = await _verifiers(args, spans, metrics.registry, tls.channel_credentials())
     tokenizer = AutoTokenizer.from_pretrained(resolve_checkpoint(args.target))
     eos = set(info.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
     grammars = Constraints(tokenizer, info.vocab_size, tuple(sorted(eos)))
     drafts, draft_name = await _drafts(args, info, spans, grammars, tls.channel_credentials())
     pair = f"{args.target}|{draft_name}"
     priors = Priors(args.redis_url, pair)
-    metrics = SchedulerMetrics(Registry("scheduler"))
     target = Target(tokenizer, tuple(sorted(eos)), info.max_positions, info.vocab_size, info.route_rows, grammars)
     observers = [MetricsObserver(metrics), SpansObserver(spans)]
     if args.step_log:

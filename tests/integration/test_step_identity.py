@@ -18,7 +18,8 @@ from services.draft.ngram import NgramProposer
 from services.scheduler.core import StepConfig
 from services.scheduler.engine import Engine
 from tests import tiny
-from tests.integration.stack import Stack, stack_env
+from tests.integration.stack import Stack, free_port, stack_env
+from tests.integration.test_metrics import scrape, value
 from tests.integration.test_services import generate, state
 from tests.unit.test_greedy_identity import assert_asked_only_where_the_end_recurs
 from specserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -85,7 +86,8 @@ def schedulers(tmp_path_factory, home, stack):
         chunked = st.start("scheduler", *common, "--draft-addrs", stack.draft_addr, *chunk)
         chunked_head = st.start("scheduler", *common, "--draft-addrs", head.addr, *chunk)
         own = ["--target", str(stack.target), "--verifier-addrs", "local"]
-        colocated = st.start("scheduler", *own, "--draft-addrs", "local")
+        metrics_port = free_port()
+        colocated = st.start("scheduler", *own, "--draft-addrs", "local", "--metrics-port", str(metrics_port))
         colocated_adaptive = st.start("scheduler", *own, "--draft-addrs", "local", *adapt)
         colocated_head = st.start("scheduler", *own, "--draft-addrs", head.addr)
         for svc in (adaptive, ngram, fixed_head, adaptive_head, chunked, chunked_head, lookup_sched, colocated,
@@ -95,7 +97,8 @@ def schedulers(tmp_path_factory, home, stack):
                "head": fixed_head.addr, "head-adaptive": adaptive_head.addr, "model-chunked": chunked.addr,
                "head-chunked": chunked_head.addr, "ngram-service": lookup_sched.addr, "head-dir": root / "head",
                "ngram-service-log": root / "steps", "colocated": colocated.addr,
-               "colocated-adaptive": colocated_adaptive.addr, "colocated-head": colocated_head.addr}
+               "colocated-adaptive": colocated_adaptive.addr, "colocated-head": colocated_head.addr,
+               "colocated-metrics": f"http://127.0.0.1:{metrics_port}/metrics"}
     finally:
         st.stop_all()
 
@@ -168,3 +171,19 @@ def test_a_scheduler_that_verifies_itself_streams_while_it_decodes(schedulers):
     assert state(addr, scheduler_pb2_grpc.SchedulerServiceStub).max_batch_seen <= 1  # the other tests: one at a time
     assert asyncio.run(run()) == ["short", "long"]
     assert state(addr, scheduler_pb2_grpc.SchedulerServiceStub).max_batch_seen == 2  # they shared steps
+
+
+def test_a_scheduler_that_verifies_itself_serves_the_verifier_metrics(schedulers):
+    """The verifier's worker metrics (its steps, the KV it holds, its weights) are on the
+    scheduler's /metrics page when the target runs in the scheduler."""
+    addr = schedulers["colocated"]
+    before = scrape(schedulers["colocated-metrics"])
+    asyncio.run(generate(addr, "metrics", [5, 6, 7], max_tokens=8))
+    after = scrape(schedulers["colocated-metrics"])
+    steps = value(after, "specserve:worker_step_duration_seconds_count") - \
+        value(before, "specserve:worker_step_duration_seconds_count")
+    assert steps >= 2  # 8 tokens: a prefill and at least one more verifier step (k = 4)
+    # the scheduler's own steps on the same page, one verifier step each
+    assert value(after, "specserve:scheduler_steps_total") - value(before, "specserve:scheduler_steps_total") == steps
+    assert value(after, "specserve:model_weight_bytes") > 0
+    assert {"specserve:kv_cache_usage_bytes", "specserve:worker_requests"} <= {name for name, _ in after}
