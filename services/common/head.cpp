@@ -3,10 +3,13 @@
 // layer, the decoder layer, a norm and the LM head; for committed positions first the fusion of
 // the target's states), and right after a target forward has streamed its weights through the
 // caches each torch op's first call is slow: one call runs them all. The steps are the CPU
-// kernels' own, in the order FeatureHead runs them.
+// kernels' own, in the order FeatureHead runs them. head_chain drafts whole greedy chains in one
+// call: the Python between two levels also slows the target's next forward on a CPU.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -59,6 +62,118 @@ std::vector<at::Tensor> head_forward(const at::Tensor& state, const at::Tensor& 
   return {out, linear(rms_norm(rows, norms[4], eps), blocks[5], kinds[5])};
 }
 
+// The most likely draft id of each row of logits [P, >= vocab] (the first of equal ones) and its
+// probability, 1 / sum exp(l - max) over the row's first `vocab` columns.
+void top1(const at::Tensor& logits, int64_t vocab, std::vector<int64_t>& ids, std::vector<float>& probs) {
+  const at::Tensor lg = logits.contiguous();
+  const float* data = lg.data_ptr<float>();
+  const int64_t rows = lg.size(0), stride = lg.size(1);
+  ids.assign(rows, 0);
+  probs.assign(rows, 0.0f);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = data + r * stride;
+    int64_t best = 0;
+    for (int64_t j = 1; j < vocab; ++j)
+      if (row[j] > row[best]) best = j;
+    double total = 0.0;
+    for (int64_t j = 0; j < vocab; ++j) total += std::exp(static_cast<double>(row[j] - row[best]));
+    ids[r] = best;
+    probs[r] = static_cast<float>(1.0 / total);
+  }
+}
+
+// Greedy chains for every part at once: head_forward over the parts' committed rows (fused), then
+// one row per part and level, each reading its parent's output state and the embedding of the
+// token its parent's logits chose (the most likely one), until a part has `depths[p]` tokens or
+// its path probability falls below `min_mass`; the rows are written after each part's committed
+// ones in its cache. `last[p]`: the position of the part's last committed row (logit_rows[p] of
+// the committed rows). embed [target vocab, hidden], d2t [draft vocab] (draft id -> target id),
+// cos_table / sin_table [positions, head_dim]. Returns the committed rows' output states
+// [N, hidden] and their last rows' logits [P, lm_head's outputs] (as head_forward), each part's
+// target ids [P, max depth] (-1 past its end) and their probabilities [P, max depth] (the
+// confidence the trim calibrates).
+std::vector<at::Tensor> head_chain(const at::Tensor& states, const at::Tensor& embedding,
+                                   const at::Tensor& cos, const at::Tensor& sin, at::TensorList norms,
+                                   at::TensorList blocks, at::IntArrayRef kinds,
+                                   at::TensorList k_caches, at::TensorList v_caches,
+                                   at::IntArrayRef offsets, at::IntArrayRef lengths,
+                                   at::IntArrayRef starts, at::IntArrayRef tree_starts,
+                                   at::TensorList visible, int64_t heads, int64_t kv_heads,
+                                   double eps, const at::Tensor& logit_rows, const at::Tensor& embed,
+                                   const at::Tensor& d2t, const at::Tensor& cos_table,
+                                   const at::Tensor& sin_table, at::IntArrayRef depths,
+                                   at::IntArrayRef last, double min_mass, int64_t vocab) {
+  const int64_t parts = static_cast<int64_t>(depths.size());
+  TORCH_CHECK(logit_rows.numel() == parts && static_cast<int64_t>(last.size()) == parts &&
+              static_cast<int64_t>(lengths.size()) == parts,
+              "head_chain: one logit row, depth and last position per part");
+  TORCH_CHECK(d2t.scalar_type() == at::kLong && d2t.numel() == vocab && embed.dim() == 2 &&
+              embed.scalar_type() == at::kFloat, "head_chain: d2t [vocab] int64, embed [ids, hidden] float32");
+  std::vector<at::Tensor> first = head_forward(states, embedding, cos, sin, norms, blocks, kinds, k_caches,
+                                               v_caches, offsets, lengths, starts, tree_starts, visible,
+                                               heads, kv_heads, eps, logit_rows, true);
+  const int64_t most = *std::max_element(depths.begin(), depths.end());
+  at::Tensor tokens = at::full({parts, std::max<int64_t>(most, 1)}, -1, at::kLong);
+  at::Tensor confs = at::zeros({parts, std::max<int64_t>(most, 1)}, at::kFloat);
+  auto tok = tokens.accessor<int64_t, 2>();
+  auto conf = confs.accessor<float, 2>();
+  const int64_t* ids_of = d2t.data_ptr<int64_t>();
+  std::vector<int64_t> ids;
+  std::vector<float> probs;
+  top1(first[1], vocab, ids, probs);
+  std::vector<double> path(parts);
+  std::vector<int64_t> live;  // parts whose chain goes on
+  for (int64_t p = 0; p < parts; ++p) {
+    if (depths[p] < 1) continue;
+    tok[p][0] = ids_of[ids[p]];
+    conf[p][0] = probs[p];
+    path[p] = probs[p];
+    live.push_back(p);
+  }
+  at::Tensor out = first[0].index_select(0, logit_rows);  // [P, hidden]: each part's parent state
+  std::vector<int64_t> row_of(parts);  // the row of `out` holding part p's parent state
+  for (int64_t p = 0; p < parts; ++p) row_of[p] = p;
+  std::vector<int64_t> length(starts.begin(), starts.end());
+  for (int64_t p = 0; p < parts; ++p) length[p] += lengths[p];
+  const at::Tensor none = at::empty({0}, at::kBool);
+  for (int64_t d = 1; d < most; ++d) {
+    std::vector<int64_t> next;  // the live parts that draft a token at depth d + 1
+    for (int64_t p : live)
+      if (d < depths[p] && path[p] >= min_mass) next.push_back(p);
+    if (next.empty()) break;
+    const int64_t n = static_cast<int64_t>(next.size());
+    std::vector<int64_t> rows(n), targets(n), positions(n), offs(n), ones(n, 1), at_start(n);
+    std::vector<at::Tensor> kc(n), vc(n), vis(n, none);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t p = next[i];
+      rows[i] = row_of[p];
+      row_of[p] = i;  // this level's output row i is its next parent
+      targets[i] = tok[p][d - 1];
+      positions[i] = last[p] + d;
+      offs[i] = i;
+      at_start[i] = length[p]++;
+      kc[i] = k_caches[p];
+      vc[i] = v_caches[p];
+    }
+    const at::Tensor pos = at::tensor(positions, at::kLong);
+    const at::Tensor parent = out.index_select(0, at::tensor(rows, at::kLong));
+    std::vector<at::Tensor> level = head_forward(
+        parent, embed.index_select(0, at::tensor(targets, at::kLong)), cos_table.index_select(0, pos),
+        sin_table.index_select(0, pos), norms, blocks, kinds, kc, vc, offs, ones, at_start, at_start, vis,
+        heads, kv_heads, eps, at::arange(n, at::kLong), false);
+    top1(level[1], vocab, ids, probs);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t p = next[i];
+      tok[p][d] = ids_of[ids[i]];
+      conf[p][d] = probs[i];
+      path[p] *= probs[i];
+    }
+    live = next;
+    out = level[0];
+  }
+  return {first[0], first[1], tokens, confs};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(specserve_q, m) {
@@ -66,4 +181,9 @@ TORCH_LIBRARY_FRAGMENT(specserve_q, m) {
         "Tensor[] blocks, int[] kinds, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, int[] offsets, "
         "int[] lengths, int[] starts, int[] tree_starts, Tensor[] visible, int heads, int kv_heads, "
         "float eps, Tensor logit_rows, bool fused) -> Tensor[]", &head_forward);
+  m.def("head_chain(Tensor states, Tensor embedding, Tensor cos, Tensor sin, Tensor[] norms, "
+        "Tensor[] blocks, int[] kinds, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, int[] offsets, "
+        "int[] lengths, int[] starts, int[] tree_starts, Tensor[] visible, int heads, int kv_heads, "
+        "float eps, Tensor logit_rows, Tensor embed, Tensor d2t, Tensor cos_table, Tensor sin_table, "
+        "int[] depths, int[] last, float min_mass, int vocab) -> Tensor[]", &head_chain);
 }

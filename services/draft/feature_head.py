@@ -162,14 +162,17 @@ class FeatureHead(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos() * self.config.rope_scaling, emb.sin() * self.config.rope_scaling
 
-    def rope_at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """rope(positions), served from a table of every position so far (grown by doubling): one
-        lookup per draft forward instead of computing it."""
-        need = int(positions.max()) + 1
-        if self._rope_table is None or len(self._rope_table[0]) < need:
+    def rope_table(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [at least `positions` (up to max_positions), d]: every position's rope so far,
+        grown by doubling, so that a draft forward looks its rows up instead of computing them."""
+        if self._rope_table is None or len(self._rope_table[0]) < positions:
             have = 0 if self._rope_table is None else len(self._rope_table[0])
-            self._rope_table = self.rope(torch.arange(min(max(need, 2 * have, 1024), self.config.max_positions)))
-        cos, sin = self._rope_table
+            self._rope_table = self.rope(torch.arange(min(max(positions, 2 * have, 1024), self.config.max_positions)))
+        return self._rope_table
+
+    def rope_at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """rope(positions), from rope_table."""
+        cos, sin = self.rope_table(int(positions.max()) + 1)
         return cos[positions], sin[positions]
 
     def qkv(self, u: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):

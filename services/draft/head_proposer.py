@@ -12,6 +12,8 @@ regains it as states arrive).
 
 Tree shape and sampling: services/draft/tree_growth.py, on the head's reduced vocabulary (its
 `d2t` map gives each column's target id; q is zero outside it, which rejection sampling allows).
+Greedy chains on the CPU kernels, the common case there, take one head.cpp call for the whole
+draft (`head_chain`: the same tokens and stops, without a Python round trip per level).
 Greedy trees carry the head's probability of each node's token as its confidence (EAGLE-2's
 estimate of its acceptance given its parent's), which the scheduler's trim calibrates and uses,
 and stop a level early when the last level's path probabilities are too small to pay for it.
@@ -178,6 +180,9 @@ class HeadProposer(Proposer):
         trees = [DraftTree() for _ in items]
         live = [(i, it, self._state(it.seq)) for i, it in enumerate(items) if it.draft_length > 0 and it.tree_size > 0]
         fed = [(it, st, part) for _, it, st in live if (part := self._committed_part(it, st)) is not None]
+        if fed and self._chains_only(live, fed):
+            self._draft_chains(fed, {id(it): trees[i] for i, it, _ in live})
+            return trees
         if fed:
             for (it, st, part), out, logits in zip(fed, *self._forward([p for _, _, p in fed], committed=True)):
                 st.slots, st.last, st.out, st.logits = st.slots + len(part.ids), part.positions[-1], out[-1], logits
@@ -187,6 +192,48 @@ class HeadProposer(Proposer):
         if works:
             self._grow(works)
         return trees
+
+    def _chains_only(self, live: list, fed: list) -> bool:
+        """Whether every drafting request wants a greedy chain (one node a level, no grammar) and
+        drafts from the rows fed now: then one head.cpp call drafts them all (_draft_chains)."""
+        return self.head.native is not None and len(fed) == len(live) and all(
+            it.seq.params.greedy and it.seq.constraint is None and it.tree_size <= it.draft_length
+            and part.positions[-1] == len(it.seq.tokens) - 2 for it, _, part in fed)
+
+    @torch.inference_mode()
+    def _draft_chains(self, fed: list, trees: dict[int, DraftTree]) -> None:
+        """Feed each request's committed rows and draft its greedy chain in one head_chain call: a
+        level costs a row in the kernel instead of a Python round trip (the distributions, the
+        tree, the next forward's inputs), and on a CPU the pause between two target forwards
+        slows the next one too (BENCHMARKS.md). The chain's rows are dropped at the next step."""
+        h, c = self.head, self.head.config
+        parts = [part for _, _, part in fed]
+        depths = [min(it.draft_length, it.tree_size) for it, _, _ in fed]
+        lasts = [part.positions[-1] for part in parts]
+        for part, depth in zip(parts, depths):
+            part.cache.reserve(part.cache.length + len(part.ids) + depth)
+        sizes = [len(part.ids) for part in parts]
+        offsets = [0, *itertools.accumulate(sizes)]
+        state = torch.cat([part.state for part in parts]).float().contiguous()
+        emb = self.embed[[i for part in parts for i in part.ids]].contiguous()
+        cos, sin = h.rope_at(torch.tensor([t for part in parts for t in part.positions]))
+        cos_table, sin_table = h.rope_table(max(lasts) + max(depths) + 1)
+        out, logits, tokens, confs = torch.ops.specserve_q.head_chain(
+            state, emb, cos, sin, *h.native, [part.cache.k for part in parts], [part.cache.v for part in parts],
+            offsets[:-1], sizes, [part.cache.length for part in parts], [part.tree_start for part in parts],
+            [part.visible for part in parts], c.num_heads, c.num_kv_heads, c.rms_norm_eps,
+            torch.tensor(offsets[1:]) - 1, self.embed, h.d2t, cos_table, sin_table, depths, lasts,
+            self.min_level_mass, c.draft_vocab)
+        for (it, st, part), o, lg, toks, qs in zip(fed, out.split(sizes), logits[:, : c.draft_vocab].split(1),
+                                                   tokens.tolist(), confs.tolist()):
+            st.slots, st.last, st.out, st.logits = st.slots + len(part.ids), part.positions[-1], o[-1], lg
+            part.cache.length = st.slots
+            tree, node = trees[id(it)], -1
+            for tok, q in zip(toks, qs):
+                if tok < 0:
+                    break
+                node = tree.add(tok, node, [tok], [1.0])
+                tree.confidence.append(q)
 
     @torch.inference_mode()
     def _grow(self, works: list[Growth]) -> None:

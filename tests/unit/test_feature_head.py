@@ -315,3 +315,43 @@ def test_the_native_head_drafts_what_the_torch_ops_draft(tmp_path):
     assert torch.allclose(out_a, out_b, atol=1e-4) and torch.allclose(nodes_a, nodes_b, atol=1e-4)
 
 
+
+
+@pytest.mark.skipif(not __import__("services.common.cpu_kernels", fromlist=["x"]).available(),
+                    reason="the native CPU kernels are not built here")
+@pytest.mark.parametrize("mass", [0.0, 0.1])
+def test_greedy_chains_in_one_kernel_call_draft_what_the_levels_draft(tmp_path, monkeypatch, mass):
+    """Greedy chains go to head.cpp in one head_chain call for every request (the committed rows,
+    then a row per level); they draft the tokens, the confidences and the stops (min_level_mass)
+    of the level-by-level path, for requests of different depths in one call."""
+    target = load_model(str(tiny.make_checkpoint(tmp_path / "wide", seed=4, hidden=64, heads=2, kv_heads=1)))
+    head = tiny.make_head(target)
+    ids = list(range(5, 17))
+    states = target_states(target, ids).half()
+    runs = []
+    for chained in (True, False):
+        proposer = tiny.head_proposer(target, head)
+        proposer.min_level_mass = mass
+        if chained:  # the level path must not run
+            monkeypatch.setattr(proposer, "_grow", lambda works: pytest.fail("drafted level by level"))
+        else:
+            monkeypatch.setattr(proposer, "_chains_only", lambda live, fed: False)
+        seqs = [Sequence(r, SamplingParams(max_tokens=4), None, tokens=list(ids[:n])) for r, n in (("a", 10), ("b", 7))]
+        steps = []
+        for end_a, end_b in ((10, 7), (12, 9)):  # a second step: the chain's rows rolled back first
+            seqs[0].tokens, seqs[1].tokens = list(ids[:end_a]), list(ids[:end_b])
+            fresh = 0 if end_a == 10 else 1  # the positions the step committed since the last
+            items = [ProposeItem(seqs[0], 4, 4, [HiddenStates(fresh and 9, states[fresh and 9 : end_a - 1])]),
+                     ProposeItem(seqs[1], 2, 2, [HiddenStates(fresh and 6, states[fresh and 6 : end_b - 1])])]
+            trees = proposer.propose(items)
+            steps.append([(t.tokens, t.parents, t.confidence, s.scratch.slots, s.scratch.last)
+                          for t, s in zip(trees, seqs)])
+        runs.append(steps)
+        monkeypatch.undo()
+    for step_a, step_b in zip(*runs):
+        for (tok_a, par_a, conf_a, *st_a), (tok_b, par_b, conf_b, *st_b) in zip(step_a, step_b):
+            assert tok_a == tok_b and par_a == par_b and st_a == st_b
+            assert conf_a == pytest.approx(conf_b, rel=1e-5)
+    depths = [len(tok) for step in runs[0] for tok, *_ in step]
+    # without a floor every chain is as deep as asked; with one, request a's stop early
+    assert min(depths) >= 1 and (depths == [4, 2, 4, 2] if mass == 0.0 else max(depths[0], depths[2]) < 4)
