@@ -65,6 +65,7 @@ std::vector<at::Tensor> head_forward(const at::Tensor& state, const at::Tensor& 
 // The most likely draft id of each row of logits [P, >= vocab] (the first of equal ones) and its
 // probability, 1 / sum exp(l - max) over the row's first `vocab` columns.
 void top1(const at::Tensor& logits, int64_t vocab, std::vector<int64_t>& ids, std::vector<float>& probs) {
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) >= vocab, "head_chain: logits narrower than the draft vocabulary");
   const at::Tensor lg = logits.contiguous();
   const float* data = lg.data_ptr<float>();
   const int64_t rows = lg.size(0), stride = lg.size(1);
@@ -82,16 +83,56 @@ void top1(const at::Tensor& logits, int64_t vocab, std::vector<int64_t>& ids, st
   }
 }
 
+// What a level of head_chain reads besides its rows: head_forward's weights and sizes, the
+// parts' caches, the target's embeddings and the rope tables [positions, head_dim].
+struct ChainArgs {
+  at::TensorList norms, blocks;
+  at::IntArrayRef kinds;
+  at::TensorList k_caches, v_caches;
+  int64_t heads, kv_heads;
+  double eps;
+  const at::Tensor &embed, &cos_table, &sin_table;
+};
+
+// One level of the chains: a row for each part p of `next` (in order) at position last[p] + d,
+// reading its parent's output state (row row_of[p] of `out`) and the embedding of its depth-d
+// token tokens[p][d - 1], written at slot length[p] of its cache (each part's tree so far is
+// causal: every row sees all slots before it). Returns head_forward's output states and logits of
+// the rows; row_of and length move on to them.
+std::vector<at::Tensor> chain_level(const ChainArgs& a, const std::vector<int64_t>& next, int64_t d,
+                                    const at::Tensor& out, at::TensorAccessor<int64_t, 2> tokens,
+                                    at::IntArrayRef last, std::vector<int64_t>& row_of,
+                                    std::vector<int64_t>& length) {
+  const int64_t n = static_cast<int64_t>(next.size());
+  std::vector<int64_t> rows(n), targets(n), positions(n), offsets(n), ones(n, 1), starts(n);
+  std::vector<at::Tensor> kc(n), vc(n), causal(n, at::empty({0}, at::kBool));
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t p = next[i];
+    rows[i] = row_of[p];
+    row_of[p] = i;
+    targets[i] = tokens[p][d - 1];
+    positions[i] = last[p] + d;
+    offsets[i] = i;
+    starts[i] = length[p]++;
+    kc[i] = a.k_caches[p];
+    vc[i] = a.v_caches[p];
+  }
+  const at::Tensor pos = at::tensor(positions, at::kLong);
+  return head_forward(out.index_select(0, at::tensor(rows, at::kLong)),
+                      a.embed.index_select(0, at::tensor(targets, at::kLong)),
+                      a.cos_table.index_select(0, pos), a.sin_table.index_select(0, pos), a.norms, a.blocks,
+                      a.kinds, kc, vc, offsets, ones, starts, starts, causal, a.heads, a.kv_heads, a.eps,
+                      at::arange(n, at::kLong), false);
+}
+
 // Greedy chains for every part at once: head_forward over the parts' committed rows (fused), then
-// one row per part and level, each reading its parent's output state and the embedding of the
-// token its parent's logits chose (the most likely one), until a part has `depths[p]` tokens or
-// its path probability falls below `min_mass`; the rows are written after each part's committed
-// ones in its cache. `last[p]`: the position of the part's last committed row (logit_rows[p] of
-// the committed rows). embed [target vocab, hidden], d2t [draft vocab] (draft id -> target id),
-// cos_table / sin_table [positions, head_dim]. Returns the committed rows' output states
-// [N, hidden] and their last rows' logits [P, lm_head's outputs] (as head_forward), each part's
-// target ids [P, max depth] (-1 past its end) and their probabilities [P, max depth] (the
-// confidence the trim calibrates).
+// one row per part and level (chain_level), each reading its parent's output state and the
+// embedding of the token its parent's logits chose (the most likely one), until a part has
+// `depths[p]` tokens or its path probability falls below `min_mass`. `last[p]`: the position of
+// the part's last committed row (logit_rows[p] of the committed rows); d2t [draft vocab]: draft
+// id -> target id. Returns the committed rows' output states [N, hidden] and their last rows'
+// logits [P, lm_head's outputs] (as head_forward), each part's target ids [P, max depth] (-1 past
+// its end) and their probabilities [P, max depth] (the confidence the trim calibrates).
 std::vector<at::Tensor> head_chain(const at::Tensor& states, const at::Tensor& embedding,
                                    const at::Tensor& cos, const at::Tensor& sin, at::TensorList norms,
                                    at::TensorList blocks, at::IntArrayRef kinds,
@@ -104,72 +145,46 @@ std::vector<at::Tensor> head_chain(const at::Tensor& states, const at::Tensor& e
                                    const at::Tensor& sin_table, at::IntArrayRef depths,
                                    at::IntArrayRef last, double min_mass, int64_t vocab) {
   const int64_t parts = static_cast<int64_t>(depths.size());
-  TORCH_CHECK(logit_rows.numel() == parts && static_cast<int64_t>(last.size()) == parts &&
-              static_cast<int64_t>(lengths.size()) == parts,
-              "head_chain: one logit row, depth and last position per part");
+  TORCH_CHECK(parts > 0 && logit_rows.numel() == parts && static_cast<int64_t>(last.size()) == parts &&
+              static_cast<int64_t>(lengths.size()) == parts &&
+              *std::min_element(depths.begin(), depths.end()) > 0,
+              "head_chain: one logit row, last position and depth (at least 1) per part");
   TORCH_CHECK(d2t.scalar_type() == at::kLong && d2t.numel() == vocab && embed.dim() == 2 &&
               embed.scalar_type() == at::kFloat, "head_chain: d2t [vocab] int64, embed [ids, hidden] float32");
-  std::vector<at::Tensor> first = head_forward(states, embedding, cos, sin, norms, blocks, kinds, k_caches,
-                                               v_caches, offsets, lengths, starts, tree_starts, visible,
-                                               heads, kv_heads, eps, logit_rows, true);
+  const std::vector<at::Tensor> first = head_forward(states, embedding, cos, sin, norms, blocks, kinds,
+                                                     k_caches, v_caches, offsets, lengths, starts,
+                                                     tree_starts, visible, heads, kv_heads, eps, logit_rows, true);
   const int64_t most = *std::max_element(depths.begin(), depths.end());
-  at::Tensor tokens = at::full({parts, std::max<int64_t>(most, 1)}, -1, at::kLong);
-  at::Tensor confs = at::zeros({parts, std::max<int64_t>(most, 1)}, at::kFloat);
+  at::Tensor tokens = at::full({parts, most}, -1, at::kLong), confs = at::zeros({parts, most}, at::kFloat);
   auto tok = tokens.accessor<int64_t, 2>();
   auto conf = confs.accessor<float, 2>();
-  const int64_t* ids_of = d2t.data_ptr<int64_t>();
-  std::vector<int64_t> ids;
+  const int64_t* target_id = d2t.data_ptr<int64_t>();
+  std::vector<double> path(parts, 1.0);
+  std::vector<int64_t> next, row_of(parts), length(parts), ids;  // next: the parts drafting a token now
   std::vector<float> probs;
-  top1(first[1], vocab, ids, probs);
-  std::vector<double> path(parts);
-  std::vector<int64_t> live;  // parts whose chain goes on
   for (int64_t p = 0; p < parts; ++p) {
-    if (depths[p] < 1) continue;
-    tok[p][0] = ids_of[ids[p]];
-    conf[p][0] = probs[p];
-    path[p] = probs[p];
-    live.push_back(p);
+    row_of[p] = p;
+    length[p] = starts[p] + lengths[p];
+    next.push_back(p);
   }
-  at::Tensor out = first[0].index_select(0, logit_rows);  // [P, hidden]: each part's parent state
-  std::vector<int64_t> row_of(parts);  // the row of `out` holding part p's parent state
-  for (int64_t p = 0; p < parts; ++p) row_of[p] = p;
-  std::vector<int64_t> length(starts.begin(), starts.end());
-  for (int64_t p = 0; p < parts; ++p) length[p] += lengths[p];
-  const at::Tensor none = at::empty({0}, at::kBool);
-  for (int64_t d = 1; d < most; ++d) {
-    std::vector<int64_t> next;  // the live parts that draft a token at depth d + 1
-    for (int64_t p : live)
-      if (d < depths[p] && path[p] >= min_mass) next.push_back(p);
-    if (next.empty()) break;
-    const int64_t n = static_cast<int64_t>(next.size());
-    std::vector<int64_t> rows(n), targets(n), positions(n), offs(n), ones(n, 1), at_start(n);
-    std::vector<at::Tensor> kc(n), vc(n), vis(n, none);
-    for (int64_t i = 0; i < n; ++i) {
+  const ChainArgs args{norms, blocks, kinds, k_caches, v_caches, heads, kv_heads, eps, embed, cos_table, sin_table};
+  at::Tensor out = first[0].index_select(0, logit_rows);  // each part's parent state: row row_of[p]
+  at::Tensor logits = first[1];  // row i: the logits of the token next[i] drafts now
+  for (int64_t d = 0; !next.empty(); ++d) {
+    top1(logits, vocab, ids, probs);
+    std::vector<int64_t> going;  // the parts that draft a token at depth d + 2 too
+    for (size_t i = 0; i < next.size(); ++i) {
       const int64_t p = next[i];
-      rows[i] = row_of[p];
-      row_of[p] = i;  // this level's output row i is its next parent
-      targets[i] = tok[p][d - 1];
-      positions[i] = last[p] + d;
-      offs[i] = i;
-      at_start[i] = length[p]++;
-      kc[i] = k_caches[p];
-      vc[i] = v_caches[p];
-    }
-    const at::Tensor pos = at::tensor(positions, at::kLong);
-    const at::Tensor parent = out.index_select(0, at::tensor(rows, at::kLong));
-    std::vector<at::Tensor> level = head_forward(
-        parent, embed.index_select(0, at::tensor(targets, at::kLong)), cos_table.index_select(0, pos),
-        sin_table.index_select(0, pos), norms, blocks, kinds, kc, vc, offs, ones, at_start, at_start, vis,
-        heads, kv_heads, eps, at::arange(n, at::kLong), false);
-    top1(level[1], vocab, ids, probs);
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t p = next[i];
-      tok[p][d] = ids_of[ids[i]];
+      tok[p][d] = target_id[ids[i]];
       conf[p][d] = probs[i];
       path[p] *= probs[i];
+      if (d + 1 < depths[p] && path[p] >= min_mass) going.push_back(p);
     }
-    live = next;
+    next = std::move(going);
+    if (next.empty()) break;
+    std::vector<at::Tensor> level = chain_level(args, next, d + 1, out, tok, last, row_of, length);
     out = level[0];
+    logits = level[1];
   }
   return {first[0], first[1], tokens, confs};
 }
