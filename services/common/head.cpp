@@ -62,23 +62,19 @@ std::vector<at::Tensor> head_forward(const at::Tensor& state, const at::Tensor& 
   return {out, linear(rms_norm(rows, norms[4], eps), blocks[5], kinds[5])};
 }
 
-// The most likely draft id of each row of logits [P, >= vocab] (the first of equal ones) and its
-// probability, 1 / sum exp(l - max) over the row's first `vocab` columns.
+// The most likely draft id of each row of logits [P, >= vocab] (argmax_rows: the first of equal
+// ones) and its probability, 1 / sum exp(l - max) over the row's first `vocab` columns.
 void top1(const at::Tensor& logits, int64_t vocab, std::vector<int64_t>& ids, std::vector<float>& probs) {
   TORCH_CHECK(logits.dim() == 2 && logits.size(1) >= vocab, "head_chain: logits narrower than the draft vocabulary");
-  const at::Tensor lg = logits.contiguous();
+  const at::Tensor lg = logits.narrow(1, 0, vocab).contiguous(), best = argmax_rows(lg);
   const float* data = lg.data_ptr<float>();
-  const int64_t rows = lg.size(0), stride = lg.size(1);
-  ids.assign(rows, 0);
-  probs.assign(rows, 0.0f);
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* row = data + r * stride;
-    int64_t best = 0;
-    for (int64_t j = 1; j < vocab; ++j)
-      if (row[j] > row[best]) best = j;
+  const int64_t* at = best.data_ptr<int64_t>();
+  ids.assign(at, at + lg.size(0));
+  probs.assign(lg.size(0), 0.0f);
+  for (int64_t r = 0; r < lg.size(0); ++r) {
+    const float* row = data + r * vocab;
     double total = 0.0;
-    for (int64_t j = 0; j < vocab; ++j) total += std::exp(static_cast<double>(row[j] - row[best]));
-    ids[r] = best;
+    for (int64_t j = 0; j < vocab; ++j) total += std::exp(static_cast<double>(row[j] - row[ids[r]]));
     probs[r] = static_cast<float>(1.0 / total);
   }
 }

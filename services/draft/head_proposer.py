@@ -87,10 +87,13 @@ class HeadProposer(Proposer):
         self.width = head.config.state_size
 
     @torch.inference_mode()
-    def _forward(self, parts: list[_Part], committed: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def _forward(self, parts: list[_Part], committed: bool = False, chains: list[int] | None = None
+                 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list | None]:
         """Feed every part's rows into its cache; returns each part's output states [n, hidden] and
         draft logits [n, draft vocab]. `committed`: the parts hold the target's states (fused
-        first), and only each one's last row's logits are wanted ([1, draft vocab])."""
+        first), and only each one's last row's logits are wanted ([1, draft vocab]). `chains`
+        (committed parts, native kernels): each part's greedy chain depth, drafted in the same
+        call; then also each part's (target ids, confidences), else None."""
         h, sizes = self.head, [len(p.ids) for p in parts]
         state, emb = torch.cat([p.state for p in parts]), self.embed[[i for p in parts for i in p.ids]]
         positions = torch.tensor([t for p in parts for t in p.positions])
@@ -98,29 +101,42 @@ class HeadProposer(Proposer):
         # the rows whose logits are wanted
         rows = torch.tensor(offsets[1:]) - 1 if committed else torch.arange(offsets[-1])
         cos, sin = h.rope_at(positions)  # [N, d]
+        drafted = None
         if h.native is not None:
-            out, logits = self._native_forward(parts, state, emb, cos, sin, offsets[:-1], rows, committed)
+            out, logits, drafted = self._native_forward(parts, state, emb, cos, sin, offsets[:-1], rows, committed,
+                                                        chains)
         else:
             state = h.fuse_states(state) if committed else state
             out = self._torch_layer(parts, h.layer_input(state, emb), cos, sin)
             logits = h.logits(out[rows])
-        return list(out.split(sizes)), list(logits.split([1] * len(parts) if committed else sizes))
+        return list(out.split(sizes)), list(logits.split([1] * len(parts) if committed else sizes)), drafted
 
-    def _native_forward(self, parts: list[_Part], state, emb, cos, sin, offsets: list[int], rows, committed: bool
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _native_forward(self, parts: list[_Part], state, emb, cos, sin, offsets: list[int], rows, committed: bool,
+                        chains: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor, list | None]:
         """The head in one head.cpp call (the target's own CPU kernels): output states [N, hidden]
-        and the logits of `rows` [R, draft vocab]."""
-        c = self.head.config
-        for p in parts:
-            p.cache.reserve(p.cache.length + len(p.ids))
-        out, logits = torch.ops.specserve_q.head_forward(
-            state.float().contiguous(), emb.contiguous(), cos, sin, *self.head.native, [p.cache.k for p in parts],
-            [p.cache.v for p in parts], offsets, [len(p.ids) for p in parts], [p.cache.length for p in parts],
-            [p.tree_start for p in parts], [p.visible for p in parts], c.num_heads, c.num_kv_heads,
-            c.rms_norm_eps, rows, committed)
+        and the logits of `rows` [R, draft vocab]; with `chains`, head_chain also drafts each part's
+        greedy chain after its rows (a level a row in the kernel, not a Python round trip: on a CPU
+        a pause between two target forwards slows the next one too, BENCHMARKS.md) and returns
+        (target ids, confidences) per part. The chain's rows are dropped at the next step."""
+        h, c = self.head, self.head.config
+        for p, depth in zip(parts, chains or [0] * len(parts)):
+            p.cache.reserve(p.cache.length + len(p.ids) + depth)
+        args = (state.float().contiguous(), emb.contiguous(), cos, sin, *h.native, [p.cache.k for p in parts],
+                [p.cache.v for p in parts], offsets, [len(p.ids) for p in parts], [p.cache.length for p in parts],
+                [p.tree_start for p in parts], [p.visible for p in parts], c.num_heads, c.num_kv_heads,
+                c.rms_norm_eps, rows)
+        drafted = None
+        if chains is None:
+            out, logits = torch.ops.specserve_q.head_forward(*args, committed)
+        else:
+            lasts = [p.positions[-1] for p in parts]
+            out, logits, tokens, confs = torch.ops.specserve_q.head_chain(
+                *args, self.embed, h.d2t, *h.rope_table(max(lasts) + max(chains) + 1), chains, lasts,
+                self.min_level_mass, c.draft_vocab)
+            drafted = list(zip(tokens.tolist(), confs.tolist()))
         for p in parts:
             p.cache.length += len(p.ids)
-        return out, logits[:, : c.draft_vocab]  # the LM head's tiles pad its outputs to 16
+        return out, logits[:, : c.draft_vocab], drafted  # the LM head's tiles pad its outputs to 16
 
     def _torch_layer(self, parts: list[_Part], u, cos, sin) -> torch.Tensor:
         h = self.head
@@ -179,13 +195,16 @@ class HeadProposer(Proposer):
         items = [it if it.tree_size <= MAX_TREE_NODES else replace(it, tree_size=MAX_TREE_NODES) for it in items]
         trees = [DraftTree() for _ in items]
         live = [(i, it, self._state(it.seq)) for i, it in enumerate(items) if it.draft_length > 0 and it.tree_size > 0]
-        fed = [(it, st, part) for _, it, st in live if (part := self._committed_part(it, st)) is not None]
-        if fed and self._chains_only(live, fed):
-            self._draft_chains(fed, {id(it): trees[i] for i, it, _ in live})
-            return trees
+        fed = [(i, it, st, part) for i, it, st in live if (part := self._committed_part(it, st)) is not None]
         if fed:
-            for (it, st, part), out, logits in zip(fed, *self._forward([p for _, _, p in fed], committed=True)):
-                st.slots, st.last, st.out, st.logits = st.slots + len(part.ids), part.positions[-1], out[-1], logits
+            chains = self._chains(live, fed)
+            outs, logits, drafted = self._forward([p for *_, p in fed], committed=True, chains=chains)
+            for (_, it, st, part), out, lg in zip(fed, outs, logits):
+                st.slots, st.last, st.out, st.logits = st.slots + len(part.ids), part.positions[-1], out[-1], lg
+            if drafted is not None:  # greedy chains, drafted in that call
+                for (i, *_), (tokens, confs) in zip(fed, drafted):
+                    _add_chain(trees[i], tokens, confs)
+                return trees
         # the head drafts from the output at the position before the last committed token
         works = [Growth(it, trees[i], max(1, -(-it.tree_size // it.draft_length)), [(-1, 1.0)])
                  for i, it, st in live if st.out is not None and st.last == len(it.seq.tokens) - 2]
@@ -193,47 +212,15 @@ class HeadProposer(Proposer):
             self._grow(works)
         return trees
 
-    def _chains_only(self, live: list, fed: list) -> bool:
-        """Whether every drafting request wants a greedy chain (one node a level, no grammar) and
-        drafts from the rows fed now: then one head.cpp call drafts them all (_draft_chains)."""
-        return self.head.native is not None and len(fed) == len(live) and all(
-            it.seq.params.greedy and it.seq.constraint is None and it.tree_size <= it.draft_length
-            and part.positions[-1] == len(it.seq.tokens) - 2 for it, _, part in fed)
-
-    @torch.inference_mode()
-    def _draft_chains(self, fed: list, trees: dict[int, DraftTree]) -> None:
-        """Feed each request's committed rows and draft its greedy chain in one head_chain call: a
-        level costs a row in the kernel instead of a Python round trip (the distributions, the
-        tree, the next forward's inputs), and on a CPU the pause between two target forwards
-        slows the next one too (BENCHMARKS.md). The chain's rows are dropped at the next step."""
-        h, c = self.head, self.head.config
-        parts = [part for _, _, part in fed]
-        depths = [min(it.draft_length, it.tree_size) for it, _, _ in fed]
-        lasts = [part.positions[-1] for part in parts]
-        for part, depth in zip(parts, depths):
-            part.cache.reserve(part.cache.length + len(part.ids) + depth)
-        sizes = [len(part.ids) for part in parts]
-        offsets = [0, *itertools.accumulate(sizes)]
-        state = torch.cat([part.state for part in parts]).float().contiguous()
-        emb = self.embed[[i for part in parts for i in part.ids]].contiguous()
-        cos, sin = h.rope_at(torch.tensor([t for part in parts for t in part.positions]))
-        cos_table, sin_table = h.rope_table(max(lasts) + max(depths) + 1)
-        out, logits, tokens, confs = torch.ops.specserve_q.head_chain(
-            state, emb, cos, sin, *h.native, [part.cache.k for part in parts], [part.cache.v for part in parts],
-            offsets[:-1], sizes, [part.cache.length for part in parts], [part.tree_start for part in parts],
-            [part.visible for part in parts], c.num_heads, c.num_kv_heads, c.rms_norm_eps,
-            torch.tensor(offsets[1:]) - 1, self.embed, h.d2t, cos_table, sin_table, depths, lasts,
-            self.min_level_mass, c.draft_vocab)
-        for (it, st, part), o, lg, toks, qs in zip(fed, out.split(sizes), logits[:, : c.draft_vocab].split(1),
-                                                   tokens.tolist(), confs.tolist()):
-            st.slots, st.last, st.out, st.logits = st.slots + len(part.ids), part.positions[-1], o[-1], lg
-            part.cache.length = st.slots
-            tree, node = trees[id(it)], -1
-            for tok, q in zip(toks, qs):
-                if tok < 0:
-                    break
-                node = tree.add(tok, node, [tok], [1.0])
-                tree.confidence.append(q)
+    def _chains(self, live: list, fed: list) -> list[int] | None:
+        """Each request's chain depth when every drafting request wants a greedy chain (one node a
+        level, no grammar) from the rows fed now, on the native kernels: then the committed rows'
+        head.cpp call drafts them all (head_chain). Otherwise None (level by level: _grow)."""
+        if self.head.native is None or len(fed) != len(live) or not all(
+                it.seq.params.greedy and it.seq.constraint is None and it.tree_size <= it.draft_length
+                and part.positions[-1] == len(it.seq.tokens) - 2 for _, it, _, part in fed):
+            return None
+        return [min(it.draft_length, it.tree_size) for _, it, _, _ in fed]
 
     @torch.inference_mode()
     def _grow(self, works: list[Growth]) -> None:
@@ -248,7 +235,7 @@ class HeadProposer(Proposer):
                      and (not w.item.seq.params.greedy or sum(v for _, v in w.frontier) >= self.min_level_mass)]
             if not works:
                 return
-            outs, logits = self._forward([self._tree_part(w, new) for w, new in works])  # [new, ...] each
+            outs, logits, _ = self._forward([self._tree_part(w, new) for w, new in works])  # [new, ...] each
             for (w, _), out in zip(works, outs):
                 w.item.seq.scratch.node_out.extend(out)
             works = [w for w, _ in works]
@@ -270,3 +257,14 @@ class HeadProposer(Proposer):
         st.tree_fed = fed
         return _Part(seq.cache, state, [tree.tokens[n] for n in new], positions, st.slots,
                      torch.tensor(visible, dtype=torch.bool))
+
+
+def _add_chain(tree: DraftTree, tokens: list[int], confs: list[float]) -> None:
+    """A greedy chain into `tree`: each token under the last, with a point-mass q and the head's
+    probability of it as its confidence; -1 ends a chain that stopped early."""
+    node = -1
+    for tok, q in zip(tokens, confs):
+        if tok < 0:
+            return
+        node = tree.add(tok, node, [tok], [1.0])
+        tree.confidence.append(q)

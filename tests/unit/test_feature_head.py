@@ -315,8 +315,6 @@ def test_the_native_head_drafts_what_the_torch_ops_draft(tmp_path):
     assert torch.allclose(out_a, out_b, atol=1e-4) and torch.allclose(nodes_a, nodes_b, atol=1e-4)
 
 
-
-
 @pytest.mark.skipif(not __import__("services.common.cpu_kernels", fromlist=["x"]).available(),
                     reason="the native CPU kernels are not built here")
 @pytest.mark.parametrize("mass", [0.0, 0.1])
@@ -335,7 +333,7 @@ def test_greedy_chains_in_one_kernel_call_draft_what_the_levels_draft(tmp_path, 
         if chained:  # the level path must not run
             monkeypatch.setattr(proposer, "_grow", lambda works: pytest.fail("drafted level by level"))
         else:
-            monkeypatch.setattr(proposer, "_chains_only", lambda live, fed: False)
+            monkeypatch.setattr(proposer, "_chains", lambda live, fed: None)
         seqs = [Sequence(r, SamplingParams(max_tokens=4), None, tokens=list(ids[:n])) for r, n in (("a", 10), ("b", 7))]
         steps = []
         for end_a, end_b in ((10, 7), (12, 9)):  # a second step: the chain's rows rolled back first
