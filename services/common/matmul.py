@@ -34,6 +34,12 @@ MAX_SMALL_ROWS = 8
 # Fixes small_rows instead of timing (e.g. the same route in every process of a test).
 SMALL_ROWS_ENV = "SPECSERVE_MATMUL_SMALL_ROWS"
 
+# MKL's vector math (torch's CPU cos, sin, exp...) computed the first call of a process at low
+# accuracy (errors up to 1.5e-4 on the calling thread's share) in about a third of the processes
+# whose first call came after `Matmul.tune`: a model's RoPE tables then differed between processes.
+# One call before any matmul keeps every later call exact (tests/unit/test_llama_forward.py).
+torch.ones(8).cos()
+
 
 class Weight(NamedTuple):
     """A linear layer's weight: `dense` [out, in] and, where used, oneDNN's blocked copy of it;

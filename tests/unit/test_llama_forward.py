@@ -1,11 +1,15 @@
 """The lean forward against transformers, and tree attention against plain causal forwards."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from services.common.llama import Chunk
 from services.common.loading import load_model
-from services.common.matmul import pick_small_rows
+from services.common.matmul import SMALL_ROWS_ENV, pick_small_rows
 from services.common.tree import DraftTree, forest_parents
 from tests import tiny
 
@@ -192,3 +196,25 @@ def test_tuning_is_timed_at_load_or_fixed_by_the_environment(tmp_path, home, mon
     assert load_model(str(path)).model.matmul.small_rows == 5
     monkeypatch.delenv("SPECSERVE_MATMUL_SMALL_ROWS")
     assert 0 <= load_model(str(path)).model.matmul.small_rows <= 8
+
+
+ROPE_CHECK = """
+import numpy as np
+from services.common.loading import load_model
+m = load_model("default").model
+c = m.config
+ang = np.arange(c.max_positions, dtype=np.float32)[:, None] * c.inv_freq.float().numpy()[None, :]
+ang = np.concatenate([ang, ang], -1).astype(np.float64)  # the float32 angles, exactly
+for table, f in ((m.cos, np.cos), (m.sin, np.sin)):
+    print(np.abs(table.float().numpy() - f(ang) * c.rope_scaling).max())
+"""
+
+
+def test_the_default_models_rope_tables_are_exact_in_every_process(home):
+    """MKL's first vector-math call of a process once came out at low accuracy after the matmul
+    tuning in about a third of processes: six fresh loads must each hold cos and sin to an ulp."""
+    env = {k: v for k, v in os.environ.items() if k not in ("SPECSERVE_HOME", SMALL_ROWS_ENV)}
+    procs = [subprocess.Popen([sys.executable, "-c", ROPE_CHECK], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL) for _ in range(6)]
+    errors = [[float(x) for x in p.communicate(timeout=300)[0].split()] for p in procs]
+    assert all(len(e) == 2 and max(e) < 1e-6 for e in errors), errors
