@@ -12,8 +12,9 @@ regains it as states arrive).
 
 Tree shape and sampling: services/draft/tree_growth.py, on the head's reduced vocabulary (its
 `d2t` map gives each column's target id; q is zero outside it, which rejection sampling allows).
-Greedy chains on the CPU kernels, the common case there, take one head.cpp call for the whole
-draft (`head_chain`: the same tokens and stops, without a Python round trip per level).
+Chains on the CPU kernels, the common case there, take one head.cpp call for the whole draft
+(`head_chain`: greedy ones the same tokens and stops, sampled ones draws from the same q, without
+a Python round trip per level).
 Greedy trees carry the head's probability of each node's token as its confidence (EAGLE-2's
 estimate of its acceptance given its parent's), which the scheduler's trim calibrates and uses,
 and stop a level early when the last level's path probabilities are too small to pay for it.
@@ -72,6 +73,18 @@ class _Part:
         return torch.cat([torch.ones(n, self.tree_start, dtype=torch.bool), seen], 1)
 
 
+@dataclass
+class _Chains:
+    """What head_chain drafts after the committed rows, per request: its depth, its sampling (a
+    temperature of 0: greedy) and the uniforms [requests, max depth] a sampled chain's draws use."""
+
+    depths: list[int]
+    temperatures: list[float]
+    top_ks: list[int]
+    top_ps: list[float]
+    uniforms: torch.Tensor
+
+
 class HeadProposer(Proposer):
     name = "head"
 
@@ -87,7 +100,7 @@ class HeadProposer(Proposer):
         self.width = head.config.state_size
 
     @torch.inference_mode()
-    def _forward(self, parts: list[_Part], committed: bool = False, chains: list[int] | None = None
+    def _forward(self, parts: list[_Part], committed: bool = False, chains: _Chains | None = None
                  ) -> tuple[list[torch.Tensor], list[torch.Tensor], list | None]:
         """Feed every part's rows into its cache; returns each part's output states [n, hidden] and
         draft logits [n, draft vocab]. `committed`: the parts hold the target's states (fused
@@ -112,14 +125,15 @@ class HeadProposer(Proposer):
         return list(out.split(sizes)), list(logits.split([1] * len(parts) if committed else sizes)), drafted
 
     def _native_forward(self, parts: list[_Part], state, emb, cos, sin, offsets: list[int], rows, committed: bool,
-                        chains: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor, list | None]:
+                        chains: _Chains | None = None) -> tuple[torch.Tensor, torch.Tensor, list | None]:
         """The head in one head.cpp call (the target's own CPU kernels): output states [N, hidden]
         and the logits of `rows` [R, draft vocab]; with `chains`, head_chain also drafts each part's
-        greedy chain after its rows (a level a row in the kernel, not a Python round trip: on a CPU
-        a pause between two target forwards slows the next one too, BENCHMARKS.md) and returns
-        (target ids, confidences) per part. The chain's rows are dropped at the next step."""
+        chain after its rows (a level a row in the kernel, not a Python round trip: on a CPU a pause
+        between two target forwards slows the next one too, BENCHMARKS.md) and returns (target ids,
+        confidences, a sampled chain's q per level or None) per part. The chain's rows are dropped
+        at the next step."""
         h, c = self.head, self.head.config
-        for p, depth in zip(parts, chains or [0] * len(parts)):
+        for p, depth in zip(parts, chains.depths if chains else [0] * len(parts)):
             p.cache.reserve(p.cache.length + len(p.ids) + depth)
         args = (state.float().contiguous(), emb.contiguous(), cos, sin, *h.native, [p.cache.k for p in parts],
                 [p.cache.v for p in parts], offsets, [len(p.ids) for p in parts], [p.cache.length for p in parts],
@@ -130,10 +144,12 @@ class HeadProposer(Proposer):
             out, logits = torch.ops.specserve_q.head_forward(*args, committed)
         else:
             lasts = [p.positions[-1] for p in parts]
-            out, logits, tokens, confs = torch.ops.specserve_q.head_chain(
-                *args, self.embed, h.d2t, *h.rope_table(max(lasts) + max(chains) + 1), chains, lasts,
-                self.min_level_mass, c.draft_vocab)
-            drafted = list(zip(tokens.tolist(), confs.tolist()))
+            out, logits, tokens, confs, q_ids, q_probs = torch.ops.specserve_q.head_chain(
+                *args, self.embed, h.d2t, *h.rope_table(max(lasts) + max(chains.depths) + 1), chains.depths,
+                lasts, self.min_level_mass, c.draft_vocab, chains.temperatures, chains.top_ks, chains.top_ps,
+                chains.uniforms, self.q_support)
+            drafted = [(tok, conf, (q_ids[i].tolist(), q_probs[i].tolist()) if t > 0 else None)
+                       for i, (tok, conf, t) in enumerate(zip(tokens.tolist(), confs.tolist(), chains.temperatures))]
         for p in parts:
             p.cache.length += len(p.ids)
         return out, logits[:, : c.draft_vocab], drafted  # the LM head's tiles pad its outputs to 16
@@ -201,9 +217,9 @@ class HeadProposer(Proposer):
             outs, logits, drafted = self._forward([p for *_, p in fed], committed=True, chains=chains)
             for (_, it, st, part), out, lg in zip(fed, outs, logits):
                 st.slots, st.last, st.out, st.logits = st.slots + len(part.ids), part.positions[-1], out[-1], lg
-            if drafted is not None:  # greedy chains, drafted in that call
-                for (i, *_), (tokens, confs) in zip(fed, drafted):
-                    _add_chain(trees[i], tokens, confs)
+            if drafted is not None:  # chains, drafted in that call
+                for (i, *_), (tokens, confs, q) in zip(fed, drafted):
+                    _add_chain(trees[i], tokens, confs, q)
                 return trees
         # the head drafts from the output at the position before the last committed token
         works = [Growth(it, trees[i], max(1, -(-it.tree_size // it.draft_length)), [(-1, 1.0)])
@@ -212,15 +228,22 @@ class HeadProposer(Proposer):
             self._grow(works)
         return trees
 
-    def _chains(self, live: list, fed: list) -> list[int] | None:
-        """Each request's chain depth when every drafting request wants a greedy chain (one node a
-        level, no grammar) from the rows fed now, on the native kernels: then the committed rows'
-        head.cpp call drafts them all (head_chain). Otherwise None (level by level: _grow)."""
+    def _chains(self, live: list, fed: list) -> _Chains | None:
+        """The chains to draft when every drafting request wants a chain (one node a level, no
+        grammar) from the rows fed now, on the native kernels: then the committed rows' head.cpp
+        call drafts them all (head_chain). Otherwise None (level by level: _grow)."""
         if self.head.native is None or len(fed) != len(live) or not all(
-                it.seq.params.greedy and it.seq.constraint is None and it.tree_size <= it.draft_length
+                it.seq.constraint is None and it.tree_size <= it.draft_length
                 and part.positions[-1] == len(it.seq.tokens) - 2 for _, it, _, part in fed):
             return None
-        return [min(it.draft_length, it.tree_size) for _, it, _, _ in fed]
+        depths = [min(it.draft_length, it.tree_size) for _, it, _, _ in fed]
+        params = [it.seq.params for _, it, _, _ in fed]
+        uniforms = torch.zeros(len(fed), max(depths), dtype=torch.float64)
+        for row, (_, it, _, _), depth in zip(uniforms, fed, depths):
+            if not it.seq.params.greedy:
+                row[:depth] = torch.rand(depth, dtype=torch.float64, generator=it.seq.generator)
+        return _Chains(depths, [p.temperature for p in params], [p.top_k for p in params],
+                       [p.top_p for p in params], uniforms)
 
     @torch.inference_mode()
     def _grow(self, works: list[Growth]) -> None:
@@ -259,12 +282,18 @@ class HeadProposer(Proposer):
                      torch.tensor(visible, dtype=torch.bool))
 
 
-def _add_chain(tree: DraftTree, tokens: list[int], confs: list[float]) -> None:
-    """A greedy chain into `tree`: each token under the last, with a point-mass q and the head's
-    probability of it as its confidence; -1 ends a chain that stopped early."""
+def _add_chain(tree: DraftTree, tokens: list[int], confs: list[float], q: tuple[list, list] | None) -> None:
+    """A chain into `tree`: each token under the last; -1 ends a chain that stopped early. Greedy (q
+    None): a point-mass q and the head's probability of the token as its confidence. Sampled: the q
+    it was drawn from, per level its target ids (-1 past the support) and probabilities."""
     node = -1
-    for tok, q in zip(tokens, confs):
+    for d, (tok, conf) in enumerate(zip(tokens, confs)):
         if tok < 0:
             return
-        node = tree.add(tok, node, [tok], [1.0])
-        tree.confidence.append(q)
+        if q is None:
+            node = tree.add(tok, node, [tok], [1.0])
+            tree.confidence.append(conf)
+        else:
+            ids, probs = q[0][d], q[1][d]
+            kept = ids.index(-1) if -1 in ids else len(ids)
+            node = tree.add(tok, node, ids[:kept], probs[:kept])

@@ -11,6 +11,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from services.common import cpu_kernels
 from services.common.kv_cache import KVCache
 from services.common.loading import load_model
 from services.common.sampling import SamplingParams, warp_probs
@@ -33,8 +34,11 @@ def models(tmp_path_factory, home):
     target = tiny.make_checkpoint(root / "target", vocab_size=V, seed=21, init_std=0.2)
     close = tiny.make_checkpoint(root / "close", vocab_size=V, seed=22, noise_from=target, noise_std=0.1)
     bad = tiny.make_checkpoint(root / "random", vocab_size=V, seed=23, init_std=0.5)
+    # head size 32, which the feature head's native kernels (head.cpp's chains) take
+    wide = tiny.make_checkpoint(root / "wide", vocab_size=V, seed=25, init_std=0.2, hidden=64, heads=2, kv_heads=1)
     return {"target": load_model(str(target)), "close": load_model(str(close)),
-            "random": load_model(str(bad)), "hf": tiny.hf_model(target)}
+            "random": load_model(str(bad)), "hf": tiny.hf_model(target),
+            "wide": load_model(str(wide)), "hf-wide": tiny.hf_model(wide)}
 
 
 def exact_distribution(hf, params: SamplingParams) -> np.ndarray:
@@ -60,6 +64,10 @@ def make_proposer(models, kind):
         return None
     if kind == "ngram":
         return NgramProposer(max_ngram=2)
+    if kind == "head-wide":  # on the native kernels where they are built: head.cpp drafts the chains
+        proposer = tiny.head_proposer(models["wide"], tiny.make_head(models["wide"], seed=24))
+        assert proposer.head.native is not None or not cpu_kernels.available()
+        return proposer
     if kind.startswith("head"):  # the feature head, untrained (from the target's last layer)
         kept = SLIM_KEPT if kind == "head-slim" else None
         return tiny.head_proposer(models["target"], tiny.make_head(models["target"], kept=kept, seed=24))
@@ -73,7 +81,7 @@ def make_proposer(models, kind):
 
 
 def run_engine(models, proposer_kind, k, tree_size, params) -> np.ndarray:
-    target = models["target"]
+    target = models["wide" if proposer_kind == "head-wide" else "target"]
     chunked = proposer_kind.endswith("-chunked")  # prompts join in chunks of a 1003-row step budget
     proposer = make_proposer(models, proposer_kind.removesuffix("-chunked"))
     engine = Engine(target, proposer, StepConfig(draft_length=k, tree_size=tree_size, max_batch=1000,
@@ -82,15 +90,15 @@ def run_engine(models, proposer_kind, k, tree_size, params) -> np.ndarray:
 
 
 def sample_joint(engine: Engine, params: SamplingParams) -> tuple[np.ndarray, list]:
-    """SAMPLES seeded requests of PROMPT for 3 tokens: the joint counts [V, V, V] and the requests."""
+    """SAMPLES seeded requests of PROMPT: the joint counts [V, V, V] of their first 3 tokens, and the requests."""
     reqs = [engine.add_request(PROMPT, SamplingParams(**{**params.__dict__, "seed": s}))
             for s in range(SAMPLES)]
     while engine.has_work():
         engine.step()
     counts = np.zeros((V, V, V))
     for r in reqs:
-        assert len(r.output_ids) == 3
-        counts[tuple(r.output_ids)] += 1
+        assert len(r.output_ids) == params.max_tokens
+        counts[tuple(r.output_ids[:3])] += 1
     return counts, reqs
 
 
@@ -124,6 +132,8 @@ CASES = [
     ("head", 2, None, SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)),
     ("head", 2, 5, SamplingParams(max_tokens=3, temperature=0.8, top_k=5, top_p=0.9, ignore_eos=True)),
     ("head-slim", 2, 4, SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)),
+    # chains of 2 (5 tokens asked: the second step drafts 2) from head.cpp, on a target it takes
+    ("head-wide", 2, 2, SamplingParams(max_tokens=5, temperature=0.8, top_k=5, top_p=0.9, ignore_eos=True)),
     # chunked prefill: chunk boundaries anywhere in the prompt, trees cut to the step's budget
     ("head-chunked", 2, 4, SamplingParams(max_tokens=3, temperature=0.8, top_k=5, top_p=0.9, ignore_eos=True)),
 ]
@@ -132,7 +142,7 @@ CASES = [
 @pytest.mark.parametrize("kind,k,tree_size,params", CASES)
 def test_first_three_tokens_match_the_exact_distribution(models, kind, k, tree_size, params):
     counts, reqs = run_engine(models, kind, k, tree_size, params)
-    assert_matches(counts, exact_distribution(models["hf"], params))
+    assert_matches(counts, exact_distribution(models["hf-wide" if kind == "head-wide" else "hf"], params))
     drafted = sum(r.stats.drafted for r in reqs)
     accepted = sum(r.stats.accepted for r in reqs)
     assert drafted > 0 and 0 < accepted < drafted  # both accept and reject paths were exercised

@@ -2,6 +2,7 @@
 the engine stays the target's greedy decoding with it, and bad or missing states are handled."""
 
 import pytest
+from scipy.stats import chisquare
 import torch
 
 from services.common.hidden_states import HiddenStates
@@ -12,6 +13,7 @@ from services.common.vocab import VocabularyMismatch
 from services.draft.factory import build_head_proposer
 from services.draft.head_proposer import HeadProposer
 from services.draft.proposer import ProposeItem
+from services.draft import tree_growth
 from services.draft.training import head_trainer, teacher
 from services.scheduler.core import StepConfig
 from services.scheduler.engine import Engine
@@ -353,3 +355,53 @@ def test_greedy_chains_in_one_kernel_call_draft_what_the_levels_draft(tmp_path, 
     depths = [len(tok) for step in runs[0] for tok, *_ in step]
     # without a floor every chain is as deep as asked; with one, request a's stop early
     assert min(depths) >= 1 and (depths == [4, 2, 4, 2] if mass == 0.0 else max(depths[0], depths[2]) < 4)
+
+
+@pytest.mark.skipif(not __import__("services.common.cpu_kernels", fromlist=["x"]).available(),
+                    reason="the native CPU kernels are not built here")
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (0, 0.7), (5, 1.0)])
+def test_sampled_chains_in_one_kernel_call_draw_from_the_levels_q(tmp_path, monkeypatch, top_k, top_p):
+    """Sampled chains go to head.cpp too (head_chain): each level's q is the level path's
+    (temperature, top-k, top-p over the draft vocabulary, then its 32 most likely ids), given the
+    same tokens before it, and the drawn tokens follow that q (chi-square over fresh seeds)."""
+    target = load_model(str(tiny.make_checkpoint(tmp_path / "wide", seed=4, hidden=64, heads=2, kv_heads=1)))
+    head = tiny.make_head(target)
+    ids = list(range(5, 17))
+    states = target_states(target, ids).half()
+    params = SamplingParams(max_tokens=4, temperature=1.5, top_k=top_k, top_p=top_p, seed=1)
+
+    def draft(proposer, seed):
+        seq = Sequence("r", params, torch.Generator().manual_seed(seed), tokens=list(ids))
+        return proposer.propose([ProposeItem(seq, 3, 3, [HiddenStates(0, states[:-1])])])[0]
+
+    chained = tiny.head_proposer(target, head)
+    monkeypatch.setattr(chained, "_grow", lambda works: pytest.fail("drafted level by level"))
+    tree = draft(chained, 0)
+    assert tree.is_chain() and len(tree) == 3
+    levels = tiny.head_proposer(target, head)
+    monkeypatch.setattr(levels, "_chains", lambda live, fed: None)
+    level_ids = []  # each level's q ids as grow receives them; the level path draws the chain's
+    # tokens, so the contexts of its q's agree with the chain's
+    grow = tree_growth.grow
+    monkeypatch.setattr("services.draft.head_proposer.grow",
+                        lambda w, vals, q_ids, *a, **kw: level_ids.append(q_ids[0].tolist()) or grow(w, vals, q_ids, *a, **kw))
+    monkeypatch.setattr(tree_growth.torch, "multinomial",
+                        lambda vals, n, **kw: torch.tensor([level_ids[-1].index(tree.tokens[len(level_ids) - 1])]))
+    ref = draft(levels, 0)
+    assert ref.tokens == tree.tokens
+    for d in range(3):
+        got, want = dict(zip(tree.q_ids[d], tree.q_probs[d])), dict(zip(ref.q_ids[d], ref.q_probs[d]))
+        assert set(got) == set(want) and len(got) <= (top_k or 32)
+        assert all(abs(got[t] - want[t]) < 1e-5 for t in got)
+    monkeypatch.undo()
+    # the first level's draws over fresh seeds follow its q
+    chained = tiny.head_proposer(target, head)
+    q = dict(zip(tree.q_ids[0], tree.q_probs[0]))
+    top = sorted(q, key=q.get, reverse=True)[:4]
+    counts = dict.fromkeys(top + [-1], 0)
+    for seed in range(1, 601):
+        tok = draft(chained, seed).tokens[0]
+        counts[tok if tok in top else -1] += 1
+    expected = [q[t] for t in top] + [1.0 - sum(q[t] for t in top)]
+    obs, exp = zip(*[(counts[t], 600 * e) for t, e in zip(top + [-1], expected) if 600 * e >= 5])
+    assert chisquare(obs, [e * sum(obs) / sum(exp) for e in exp]).pvalue > 1e-3
