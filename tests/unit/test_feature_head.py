@@ -380,13 +380,18 @@ def test_sampled_chains_in_one_kernel_call_draw_from_the_levels_q(tmp_path, monk
     assert tree.is_chain() and len(tree) == 3
     levels = tiny.head_proposer(target, head)
     monkeypatch.setattr(levels, "_chains", lambda live, fed: None)
-    level_ids = []  # each level's q ids as grow receives them; the level path draws the chain's
-    # tokens, so the contexts of its q's agree with the chain's
-    grow = tree_growth.grow
-    monkeypatch.setattr("services.draft.head_proposer.grow",
-                        lambda w, vals, q_ids, *a, **kw: level_ids.append(q_ids[0].tolist()) or grow(w, vals, q_ids, *a, **kw))
-    monkeypatch.setattr(tree_growth.torch, "multinomial",
-                        lambda vals, n, **kw: torch.tensor([level_ids[-1].index(tree.tokens[len(level_ids) - 1])]))
+    # The level path draws the chain's tokens, so that its q's contexts are the chain's.
+    level_ids = []  # each level's q ids, as grow receives them
+
+    def grow(w, vals, q_ids, *args, **kwargs):
+        level_ids.append(q_ids[0].tolist())
+        return tree_growth.grow(w, vals, q_ids, *args, **kwargs)
+
+    def the_chains_token(vals, n, **kwargs):
+        return torch.tensor([level_ids[-1].index(tree.tokens[len(level_ids) - 1])])
+
+    monkeypatch.setattr("services.draft.head_proposer.grow", grow)
+    monkeypatch.setattr(tree_growth.torch, "multinomial", the_chains_token)
     ref = draft(levels, 0)
     assert ref.tokens == tree.tokens
     for d in range(3):
