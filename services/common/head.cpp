@@ -86,6 +86,7 @@ struct Warp {
   double top_p;
   int64_t support;
 };
+
 // q of one row of draft logits [vocab] under w, into ids (draft ids, most likely first) and q;
 // returns the index drawn with the uniform u in [0, 1).
 int64_t sample_row(const float* row, int64_t vocab, const Warp& w, double u, std::vector<int64_t>& ids,
@@ -107,10 +108,12 @@ int64_t sample_row(const float* row, int64_t vocab, const Warp& w, double u, std
   q.clear();
   double before = 0.0, kept = 0.0;  // top-p keeps a token while the mass before it is below top_p
   for (int64_t i = 0; i < std::min(m, w.support) && row[order[i]] >= kth && before < w.top_p; ++i) {
+    const double v = weight(order[i]);
+    if (v == 0.0) break;  // and every later one (a tiny temperature): the level path drops them too
     ids.push_back(order[i]);
-    q.push_back(weight(order[i]));
-    before += nucleus ? q.back() / total : 0.0;
-    kept += q.back();
+    q.push_back(v);
+    before += nucleus ? v / total : 0.0;
+    kept += v;
   }
   for (double& v : q) v /= kept;
   double below = 0.0;  // the inverse of q's distribution function at u
