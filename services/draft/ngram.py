@@ -14,6 +14,10 @@ tokens 0.75, of 20 tokens 0.95; disagreeing matches split it. The length matters
 training prompts (not Spec-Bench) the first proposed token was right 14-25% of the time after a
 1-token match, 40-83% after 2-9 tokens and 93-98% after 10 or more, where 5-7 of 8 proposed
 tokens were accepted on average.
+
+A match needs the last 2 tokens by default (`min_ngram`): what a 1-token match proposes is rarely
+right, and every step the scheduler plans and drafts for one costs its Python, so asking only
+where 2 tokens recur ran faster (BENCHMARKS.md, "The n-gram's shortest match").
 """
 
 from __future__ import annotations
@@ -24,13 +28,14 @@ from services.common.tree import MAX_TREE_NODES, DraftTree
 from services.draft.proposer import ProposeItem, Proposer
 
 MAX_MATCH_LENGTH = 32  # how far back a match's length is counted
+DEFAULT_MIN_NGRAM = 2  # the fewest tokens that make a match
 
 
 class NgramProposer(Proposer):
     name = "ngram"
     runs_model = False
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, max_continuations: int = 8,
+    def __init__(self, max_ngram: int = 3, min_ngram: int = DEFAULT_MIN_NGRAM, max_continuations: int = 8,
                  max_matches: int = 32):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError("need 1 <= min_ngram <= max_ngram")

@@ -128,8 +128,8 @@ def test_services_and_engine_give_the_same_tokens(stack, schedulers, draft_model
 
 
 def test_the_scheduler_asks_an_ngram_draft_service_only_where_it_can_match(schedulers):
-    """The n-gram draft service says in Info that it proposes only after a token seen before
-    (min_match); the scheduler then skips its round trip where the request's last token is new."""
+    """The n-gram draft service says in Info that it proposes only after tokens seen before
+    (min_match); the scheduler then skips its round trip where the request's last 2 are new."""
     log = schedulers["ngram-service-log"]
     seen = len(log.read_text().splitlines()) if log.exists() else 0
     prompts, outputs = [[9, 10, 11, 12], [5, 6, 7, 8, 5]], []

@@ -90,7 +90,7 @@ def test_trimmed_ngram_trees_sample_the_target_distribution(tmp_path_factory, ho
     target_dir = tiny.make_checkpoint(root / "target", vocab_size=dist.V, seed=21, init_std=0.2)
     target = load_model(str(target_dir))
     params = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)
-    engine = Engine(target, NgramProposer(max_ngram=2),
+    engine = Engine(target, NgramProposer(max_ngram=2, min_ngram=1),
                     StepConfig(draft_length="adaptive", min_draft_length=1, max_draft_length=2, tree_size=4,
                                  max_batch=200), warm_up=False)
     # A verify cost per node that makes only some nodes pay (its large fixed part makes the real
@@ -123,7 +123,7 @@ def test_the_step_log_has_a_line_per_step_and_every_token_committed(models, tmp_
     """`--step-log`: one JSON line per step; the tokens its lines say were committed are the
     requests' outputs, and the steps that planned say what the plan predicted."""
     target, _, _ = models
-    engine = Engine(target, NgramProposer(), StepConfig(draft_length="adaptive", max_batch=2), warm_up=False)
+    engine = Engine(target, NgramProposer(min_ngram=1), StepConfig(draft_length="adaptive", max_batch=2), warm_up=False)
     log = StepLogObserver(str(tmp_path / "steps.jsonl"))
     engine.core.observers.append(log)
     reqs = engine.generate(prompts(), SamplingParams(max_tokens=24))

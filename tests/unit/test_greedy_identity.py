@@ -150,11 +150,16 @@ def test_a_draft_with_a_shorter_context_stops_drafting(tmp_path, models):
     assert len(req.output_ids) == 30 or req.finish_reason == "stop"
 
 
+def ends_in_a_repeat(context: list[int], m: int) -> bool:
+    """Whether the last m tokens of `context` occurred earlier in it."""
+    return len(context) > m and any(context[i : i + m] == context[-m:] for i in range(len(context) - m))
+
+
 def assert_asked_only_where_the_end_recurs(lines: list[dict], prompts: list[list[int]], outputs: list[list[int]],
-                                           max_tokens: int) -> None:
+                                           max_tokens: int, m: int = NgramProposer().min_match) -> None:
     """Step-log lines of requests run one after another (one request a line): after its prompt's
-    step, each step gave the n-gram draft a k exactly where the request's last token had occurred
-    earlier in it (and it may still emit two tokens); both kinds of step occur."""
+    step, each step gave the n-gram draft a k exactly where the request's last m tokens had
+    occurred earlier in it (and it may still emit two tokens); both kinds of step occur."""
     lines = iter(lines)
     asked = skipped = 0
     for prompt, output in zip(prompts, outputs):
@@ -164,7 +169,7 @@ def assert_asked_only_where_the_end_recurs(lines: list[dict], prompts: list[list
         while done < len(output):
             (k, _, _, committed), = next(lines)["requests"]
             context = prompt + output[:done]
-            recurs = context[-1] in context[:-1] and max_tokens - done > 1
+            recurs = ends_in_a_repeat(context, m) and max_tokens - done > 1
             assert (k > 0) == recurs, (prompt, done, k)
             asked, skipped = asked + recurs, skipped + (not recurs)
             done += committed
@@ -173,8 +178,8 @@ def assert_asked_only_where_the_end_recurs(lines: list[dict], prompts: list[list
 
 @pytest.mark.parametrize("draft_length", [4, "adaptive"])
 def test_a_lookup_draft_is_asked_only_where_the_last_token_recurs(models, prompts, tmp_path, draft_length):
-    """The n-gram finds nothing unless the request's last token occurred before: the step does not
-    ask it then (through the services that is a round trip saved), and the output is unchanged."""
+    """The n-gram finds nothing unless the request's last 2 tokens occurred before: the step does
+    not ask it then (through the services that is a round trip saved), and the output is unchanged."""
     target, _, hf = models
     config = StepConfig(draft_length=draft_length, min_draft_length=1)  # adaptive: every step that may, drafts
     engine = Engine(target, NgramProposer(), config, warm_up=False)

@@ -26,6 +26,12 @@ def test_no_match_proposes_nothing():
     assert len(NgramProposer(min_ngram=2).tree([1, 2, 3, 4], 4, 4)) == 0
 
 
+def test_by_default_a_match_needs_two_tokens():
+    p = NgramProposer()
+    assert p.min_match == 2 and len(p.tree([5, 1, 2, 9, 5], 2, 2)) == 0  # only 5 recurs
+    assert p.tree([5, 1, 2, 9, 5, 1], 2, 2).tokens == [2, 9]
+
+
 def test_confidence_grows_with_agreeing_and_longer_matches():
     p = NgramProposer(max_ngram=3, min_ngram=1)
     once = p.tree([1, 2, 3, 4, 1, 2, 3], draft_length=1, tree_size=1)  # one 3-gram match (and shorter ones)
