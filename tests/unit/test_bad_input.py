@@ -99,10 +99,10 @@ def item(rid: str, offset: int, tokens: list[int], k: int = 2) -> draft_pb2.Prop
 
 def test_a_request_released_and_sent_again_in_one_step_is_freed_when_the_stream_ends():
     steps = [draft_pb2.ProposeStep(step_id=1, items=[item("a", 0, [5, 6, 5])]),
-             draft_pb2.ProposeStep(step_id=2, items=[item("a", 0, [7, 8, 7])], release=["a"])]
+             draft_pb2.ProposeStep(step_id=2, items=[item("a", 0, [7, 8, 9, 7, 8])], release=["a"])]
     out, code, servicer = draft_stream(steps)
     assert code == grpc.StatusCode.OK and [r.step_id for r in out] == [1, 2]
-    assert list(out[1].proposals[0].tree.tokens) == [8, 7]  # proposed from the tokens sent again
+    assert list(out[1].proposals[0].tree.tokens) == [9, 7]  # proposed from the tokens sent again
     assert servicer.worker.sequences.ids() == []  # which are freed with the stream (they leaked)
 
 
