@@ -177,7 +177,7 @@ def assert_asked_only_where_the_end_recurs(lines: list[dict], prompts: list[list
 
 
 @pytest.mark.parametrize("draft_length", [4, "adaptive"])
-def test_a_lookup_draft_is_asked_only_where_the_last_token_recurs(models, prompts, tmp_path, draft_length):
+def test_a_lookup_draft_is_asked_only_where_the_end_of_the_request_recurs(models, prompts, tmp_path, draft_length):
     """The n-gram finds nothing unless the request's last 2 tokens occurred before: the step does
     not ask it then (through the services that is a round trip saved), and the output is unchanged."""
     target, _, hf = models
