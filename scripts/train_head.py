@@ -84,6 +84,9 @@ def parse_args(argv=None):
     p.add_argument("--self-prompts", type=float, default=0.0,
                    help="this share of the first stage's prompts are written by the target itself (sampled from "
                         "its chat template's user turn) instead of the templates")
+    p.add_argument("--news", type=float, default=0.0,
+                   help="this share of the template prompts are news about made-up people and places (names to "
+                        "copy), and this share of the passage prompts are long documents of three passages")
     p.add_argument("--ablation", default="", help="also train on these data fractions (e.g. 0.25,0.5): metrics only")
     p.add_argument("--eval-questions", default="",
                    help="Spec-Bench JSONL: held-out metrics on its first question per category too (never trained on)")
@@ -102,7 +105,7 @@ def main(argv=None) -> int:
     target = load_model(args.target, weights=engine)
     plan = feature_data.TeacherPlan(tuple(int(x) for x in args.layers.split(",")), args.prompts, args.tokens,
                                     args.max_tokens, args.sampled_fraction, args.teacher_batch, args.seed,
-                                    args.passage_fraction, args.word_topics, args.self_prompts)
+                                    args.passage_fraction, args.word_topics, args.self_prompts, args.news)
     if args.teacher == "hf":
         samples, seconds = feature_data.build_hf(target, Path(args.work), plan, args.device)
     else:
@@ -178,7 +181,7 @@ def train_head(args, target, samples) -> dict:
             "after": result["held_out"], "dev": result["dev"], "ablation": ablation, "history": result["history"],
             "device": args.device, "precision": result["precision"], "passage_fraction": args.passage_fraction,
             "sampled_fraction": args.sampled_fraction, "word_topics": args.word_topics,
-            "self_prompts": args.self_prompts,
+            "self_prompts": args.self_prompts, "news": args.news,
             "bytes": sum(f.stat().st_size for f in Path(args.out).iterdir() if f.is_file())}
 
 
@@ -208,6 +211,9 @@ def write_card(out: Path, info: dict) -> None:
     wt = info.get("word_topics", 0.0)
     passages += (f",\n  {100 * wt:.0f}% of the template prompts on two words of the target's vocabulary as topics"
                  if wt else "")
+    news = info.get("news", 0.0)
+    passages += (f",\n  {100 * news:.0f}% of the template prompts news about made-up people and places, and as many of"
+                 " the\n  passage prompts long documents of three passages" if news else "")
     sp = info.get("self_prompts", 0.0)
     source = "prompts from the task templates in services/draft/training/prompts.py (never Spec-Bench)"
     if sp:

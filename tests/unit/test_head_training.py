@@ -218,6 +218,35 @@ def test_word_topics_take_subjects_from_the_vocabulary():
     assert plan.key().endswith("-w0.5") and not replace(plan, word_topics=0.0).key().endswith("-w0.0")
 
 
+def test_news_prompts_name_made_up_people_and_long_documents_join_three_passages():
+    """--news: its prompts are distinct and the same for a seed, and their names are ones the
+    tokenizer splits (no vocabulary holds them: a draft must copy them); a plan holds that share
+    of its templated prompts as news and caches apart, and without it the prompts are the ones an
+    older cache was answered on. Passage prompts with long_share join three passages."""
+    import random
+
+    from services.draft.training.prompts import NAMES, made_up_name, make_news_prompts, make_passage_prompts
+
+    news = make_news_prompts(60, seed=2)
+    assert news == make_news_prompts(60, seed=2) and len(set(news)) == 60 and news != make_news_prompts(60, seed=3)
+    tok = load_model("default", weights=False).tokenizer
+    names = [made_up_name(random.Random(i)) for i in range(200)]
+    assert not set(names) & set(NAMES)
+    assert sum(len(tok(" " + n, add_special_tokens=False)["input_ids"]) for n in names) / len(names) >= 2
+
+    plan = feature_data.TeacherPlan((0,), prompts=40, tokens=100, max_tokens=8, sampled_fraction=0.0, batch=8, seed=0,
+                                    news=0.5)
+    first, _, _ = plan.stage_one(tok)
+    assert sum(p in set(make_news_prompts(20, 0)) for p in first) == 20 and plan.key().endswith("-n0.5")
+    older = replace(plan, news=0.0)
+    assert "-n" not in older.key() and older.stage_one(tok)[0] == feature_data.make_prompts(40, 0)
+
+    passages = [f"Passage number {i} tells its own story." for i in range(30)]
+    long = [p for p in make_passage_prompts(passages, [], 60, seed=1, long_share=0.5) if p.count("Passage number") == 3]
+    assert 15 <= len(long) <= 45
+    assert make_passage_prompts(passages, [], 60, seed=1, long_share=0.0) == make_passage_prompts(passages, [], 60, 1)
+
+
 def test_the_engine_teacher_answers_a_one_stage_plan(tiny_target, tmp_path):
     """Without --passage-fraction (`make head`'s default) the engine's teacher answers the template
     prompts up to its token cap (it once took the missing second stage for a begun one and

@@ -20,7 +20,8 @@ import torch
 
 from services.common.prompt import encode_prompt
 from services.draft.training import hf_teacher, self_prompts, teacher
-from services.draft.training.prompts import make_foreign_prompts, make_passage_prompts, make_prompts, topic_words
+from services.draft.training.prompts import (make_foreign_prompts, make_news_prompts, make_passage_prompts, make_prompts,
+                                             topic_words)
 
 log = logging.getLogger(__name__)
 SHARD = 64  # answers per shard file
@@ -38,13 +39,15 @@ class TeacherPlan:
     passage_fraction: float = 0.0  # prompts (and answer tokens) of the second stage: tasks over a passage
     word_topics: float = 0.0  # template prompts whose topics are words of the target's vocabulary
     self_prompts: float = 0.0  # share of the first stage's prompts the target writes (self_prompts.py)
+    news: float = 0.0  # share of the templated prompts that are news (made-up names), and of passages three long
 
     def key(self) -> str:
         layers = "-".join(map(str, self.layers))
         passages = f"-p{self.passage_fraction}" if self.passage_fraction else ""
         words = f"-w{self.word_topics}" if self.word_topics else ""
         written = f"-m{self.self_prompts}" if self.self_prompts else ""
-        return f"L{layers}-t{self.max_tokens}-s{self.seed}-f{self.sampled_fraction}{passages}{words}{written}"
+        news = f"-n{self.news}" if self.news else ""
+        return f"L{layers}-t{self.max_tokens}-s{self.seed}-f{self.sampled_fraction}{passages}{words}{written}{news}"
 
     def passage_count(self) -> int:
         """How many prompts the second stage asks (tasks over the first stage's answers)."""
@@ -58,13 +61,15 @@ class TeacherPlan:
         """(the first stage's prompts, the foreign-language ones among them with their language,
         how many second-stage prompts follow). The foreign prompts come first: the first stage
         may stop at its share of tokens, and the second stage translates their answers. The
-        prompts the target wrote (`written`) are shuffled in among the templated ones, so a stage
-        cut short by its token share holds both kinds."""
+        prompts the target wrote (`written`) and the news prompts are shuffled in among the templated
+        ones, so a stage cut short by its token share holds every kind."""
         second = self.passage_count()
         foreign = make_foreign_prompts(second // 8, seed=self.seed) if second else []
         words = topic_words(tokenizer) if self.word_topics else []
-        mixed = list(written) + make_prompts(self.prompts - second - len(written), self.seed, words, self.word_topics)
-        if written:
+        templated = self.prompts - second - len(written)
+        news = make_news_prompts(round(self.news * templated), self.seed)
+        mixed = list(written) + news + make_prompts(templated - len(news), self.seed, words, self.word_topics)
+        if written or news:
             random.Random(self.seed + 3).shuffle(mixed)
         return [p for p, _ in foreign] + mixed, foreign, second
 
@@ -104,7 +109,7 @@ def passage_prompts(target, plan: TeacherPlan, answers: list[teacher.Sample | No
                 if s is not None and len(s.ids) - s.prompt_len >= long_enough]
     if len(passages) < 2:
         raise ValueError(f"only {len(passages)} first-stage answers of {long_enough}+ tokens to build passages from")
-    return make_passage_prompts(passages, foreign_text, second, plan.seed)
+    return make_passage_prompts(passages, foreign_text, second, plan.seed, long_share=plan.news)
 
 
 def load_shards(work: Path, plan: TeacherPlan) -> tuple[dict[int, teacher.Sample], float]:

@@ -172,6 +172,65 @@ def make_prompts(n: int, seed: int = 0, words: list[str] = (), word_share: float
     return out
 
 
+# News prompts: people, places and organizations with made-up names (split into several rare
+# tokens, so no draft can know them: it has to copy them from the prompt or the text so far), and
+# dates and figures. Spec-Bench's summaries and documents are news of this kind; the templates'
+# common first names are single tokens a draft predicts without copying.
+ONSETS = ["b", "br", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "z", "ch", "sh"]
+VOWELS = ["a", "e", "i", "o", "u", "a", "e", "o", "ai", "ou"]
+CODAS = ["", "", "", "", "n", "r", "l", "s", "k", "m", "nd"]
+ROLES = ["mayor", "head teacher", "fire chief", "chief engineer", "city treasurer", "hospital director",
+         "police spokesperson", "harbour master", "union leader", "museum curator"]
+PROJECTS = ["a new bridge", "the old rail line", "a flood barrier", "a public library", "solar panels on every school",
+            "a children's hospital wing", "the market square", "a water treatment plant", "free bus passes"]
+ORG_KINDS = ["Institute", "Foundation", "Trust", "Council", "Society", "Group", "Bank", "Laboratories"]
+MONTHS = ["January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
+          "November", "December"]
+NEWS_TEMPLATES = [
+    "Write a news report about {person}, the {role} of {town}, who announced on {date} that {town} will "
+    "spend {amount} on {project}. Quote {person} and {person2}.",
+    "Write a news article: {person2}, a {age}-year-old from {town}, won the {org} prize on {date} with a "
+    "score of {a}.{b}. Include quotes from {person}, who organized it.",
+    "Write a press release from the {org} announcing that {person} will lead its new office in {town} from {date}.",
+    "Write a news story about a storm that hit {town} on {date}: {a} homes lost power and {person}, the {role}, "
+    "spoke to reporters. Mention {person2} too.",
+    "Write a news article about a report by the {org}, published on {date}, which found that {b}% of the people "
+    "of {town} {finding}. Its author is {person}.",
+    "Write an obituary for {person}, who founded the {org} in {town} in {year} and led it for {b} years.",
+    "Write a sports report: {town} beat {town2} {c}-{g} on {date}; {person} scored twice and {person2} once.",
+    "Write a court report: on {date}, {person} of {town} was fined {amount} for damaging {project}. "
+    "Quote the judge, {person2}.",
+]
+FINDINGS = ["walk to work", "cannot afford their rent", "have never visited the coast", "own an electric car",
+            "read a newspaper every day", "want a new school", "grow their own vegetables"]
+
+
+def made_up_name(rng: random.Random, syllables: tuple[int, int] = (2, 2)) -> str:
+    """A capitalized word of consonant-vowel syllables ("Drelvouthan"): a name no vocabulary holds."""
+    parts = [rng.choice(ONSETS) + rng.choice(VOWELS) + rng.choice(CODAS) for _ in range(rng.randint(*syllables))]
+    return "".join(parts).capitalize()
+
+
+def make_news_prompts(n: int, seed: int = 0) -> list[str]:
+    """n distinct news prompts (deterministic for a seed) about made-up people, towns and
+    organizations, with dates and figures: answers that repeat names the draft must copy."""
+    rng = random.Random(seed + 4)
+    out, seen = [], set()
+    while len(out) < n:
+        person, person2 = (f"{made_up_name(rng, (1, 2))} {made_up_name(rng)}" for _ in range(2))
+        a, b, c = rng.randint(2, 900), rng.randint(2, 99), rng.randint(2, 9)
+        prompt = rng.choice(NEWS_TEMPLATES).format(
+            person=person, person2=person2, town=made_up_name(rng), town2=made_up_name(rng),
+            org=f"{made_up_name(rng)} {rng.choice(ORG_KINDS)}", role=rng.choice(ROLES), project=rng.choice(PROJECTS),
+            date=f"{rng.choice(MONTHS)} {rng.randint(1, 28)}", year=rng.randint(1890, 2015), age=rng.randint(9, 90),
+            amount=f"{rng.randint(2, 95)}.{rng.randint(0, 9)} million dollars", finding=rng.choice(FINDINGS),
+            a=a, b=b, c=c, g=rng.randint(0, c - 1))
+        if prompt not in seen:
+            seen.add(prompt)
+            out.append(prompt)
+    return out
+
+
 # Second-stage prompts: tasks over a passage the target wrote in the first stage (summaries,
 # questions over documents, extraction, translation back to English), the kinds of answer that
 # copy from their prompt, which template prompts alone rarely ask for.
@@ -185,6 +244,11 @@ PASSAGE_TEMPLATES = [
     "List the key facts of this text as bullet points.\n\n{passage}",
     "Rewrite the following text in simpler words.\n\n{passage}",
     "Continue this text with one more paragraph.\n\n{passage}",
+]
+LONG_TEMPLATES = [
+    "Summarize the following article in a few sentences.\n\n{document}",
+    "{document}\n\nWrite a short summary of the article above, naming the people and places in it.",
+    "Answer the question using the documents below.\n\n{document}\n\nQuestion: {question}",
 ]
 FOREIGN_TEMPLATES = ["Write a few sentences in {language} about {topic}.",
                      "Describe {topic} in {language}, in one short paragraph."]
@@ -202,15 +266,22 @@ def make_foreign_prompts(n: int, seed: int = 0) -> list[tuple[str, str]]:
 
 
 def make_passage_prompts(passages: list[str], foreign: list[tuple[str, str]], n: int, seed: int = 0,
-                         max_chars: int = 1500) -> list[str]:
+                         max_chars: int = 1500, long_share: float = 0.0) -> list[str]:
     """n prompts over the first stage's answers: `passages` (English) and `foreign` (text, its
-    language), to be translated as Spec-Bench asks ("Translate German to English: ...")."""
+    language), to be translated as Spec-Bench asks ("Translate German to English: ..."). With
+    `long_share`, that share of the others are long documents (three passages, several hundred
+    tokens, as Spec-Bench's articles are) to summarize or answer a question over."""
     rng = random.Random(seed + 2)
     out = []
     for _ in range(n):
         if foreign and rng.random() < 0.15:
             text, language = rng.choice(foreign)
             out.append(f"Translate {language} to English: {text[:max_chars]}")
+            continue
+        if long_share and len(passages) >= 3 and rng.random() < long_share:
+            document = "\n\n".join(p[:max_chars] for p in rng.sample(passages, 3))
+            question = rng.choice(QUESTIONS).format(topic=rng.choice(TOPICS))
+            out.append(rng.choice(LONG_TEMPLATES).format(document=document, question=question))
             continue
         p1, p2 = rng.sample(passages, 2)
         question = rng.choice(QUESTIONS).format(topic=rng.choice(TOPICS))
