@@ -206,7 +206,7 @@ FINDINGS = ["walk to work", "cannot afford their rent", "have never visited the 
 
 
 def made_up_name(rng: random.Random, syllables: tuple[int, int] = (2, 2)) -> str:
-    """A capitalized word of consonant-vowel syllables ("Drelvouthan"): a name no vocabulary holds."""
+    """A capitalized word of consonant-vowel syllables ("Bromrus"): a name no vocabulary holds."""
     parts = [rng.choice(ONSETS) + rng.choice(VOWELS) + rng.choice(CODAS) for _ in range(rng.randint(*syllables))]
     return "".join(parts).capitalize()
 
