@@ -39,7 +39,9 @@ class TeacherPlan:
     passage_fraction: float = 0.0  # prompts (and answer tokens) of the second stage: tasks over a passage
     word_topics: float = 0.0  # template prompts whose topics are words of the target's vocabulary
     self_prompts: float = 0.0  # share of the first stage's prompts the target writes (self_prompts.py)
-    news: float = 0.0  # share of the templated prompts that are news (made-up names), and of passages three long
+    # share of the templated prompts that are news (made-up names); the same share of the passage
+    # prompts are long documents of three passages
+    news: float = 0.0
 
     def key(self) -> str:
         layers = "-".join(map(str, self.layers))
