@@ -194,9 +194,13 @@ class FeatureHead(nn.Module):
         gate, up = self._linear("wgu", F.rms_norm(x, (c.hidden_size,), self.ln2, c.rms_norm_eps)).chunk(2, dim=-1)
         return x + self._linear("wd", F.silu(gate) * up)
 
+    def final_norm(self, out: torch.Tensor) -> torch.Tensor:
+        """Output states [..., hidden] -> the LM head's input [..., hidden]."""
+        return F.rms_norm(out, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps)
+
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         """Output states [..., hidden] -> draft-vocabulary logits [..., draft_vocab]."""
-        return self._linear("lm_head", F.rms_norm(out, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps))
+        return self._linear("lm_head", self.final_norm(out))
 
     def group(self) -> int:
         return self.config.num_heads // self.config.num_kv_heads

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from services.draft.feature_head import FeatureHead
+from services.draft.training.distill_loss import picked_log_softmax
 from services.draft.training.student import make_batches
 
 log = logging.getLogger(__name__)
@@ -168,13 +169,12 @@ def step_losses(head: FeatureHead, outs: list[torch.Tensor], batch: Batch) -> li
     result = []
     for s, out in enumerate(outs):
         ok = batch.row_t >= s  # positions whose input state exists at this step
-        rows = batch.rows[ok]
-        logq = head.logits(out.flatten(0, 1)[rows]).log_softmax(-1)  # [R, draft_vocab]
+        x = head.final_norm(out.flatten(0, 1)[batch.rows[ok]])  # [R, hidden]
         p, ids = batch.teacher_p[ok], batch.teacher_ids[ok]
-        picked = logq.gather(1, ids)
+        picked, best = picked_log_softmax(x, head.lm_head.weight, ids, _matmul_dtype(x))  # [R, k], [R]
         loss = -(p * picked).sum(-1).mean()
         with torch.no_grad():
-            top1 = (head.d2t[logq.argmax(-1)] == batch.teacher_top1[ok]).float().mean()
+            top1 = (head.d2t[best] == batch.teacher_top1[ok]).float().mean()
             accept = torch.minimum(p, picked.exp()).sum(-1).mean()
         result.append({"loss": loss, "top1": float(top1), "accept": float(accept), "rows": int(ok.sum())})
     return result
@@ -305,6 +305,12 @@ def choose_precision(head: FeatureHead, embed: torch.Tensor, probe: Callable[[],
     head.zero_grad(set_to_none=True)
     log.info("a training step's forward and backward: %s", ", ".join(f"{k} {v:.2f} s" for k, v in best.items()))
     return min(best, key=best.get)
+
+
+def _matmul_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype autocast runs a matmul on x's device in (float32 where it is off)."""
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else torch.float32
 
 
 def _autocast(device: str, precision: str):
