@@ -31,13 +31,14 @@ class _PickedLogSoftmax(torch.autograd.Function):
         lse = torch.empty(len(x), dtype=torch.float32, device=x.device)
         best = torch.empty(len(x), dtype=torch.long, device=x.device)
         step = _block(x)
-        for a in range(0, len(x), step):
-            b = slice(a, a + step)
-            torch.mm(xs[b], w.T, out=logits[b])
-            logq = torch.log_softmax(logits[b], -1, dtype=torch.float32)  # one pass: cast, normalize
-            lse[b] = logits[b, 0].float() - logq[:, 0]
-            picked[b] = logq.gather(1, ids[b])
-            best[b] = logq.max(-1).indices
+        with torch.autocast(x.device.type, enabled=False):  # the dtypes are chosen here, and out= needs it off
+            for a in range(0, len(x), step):
+                b = slice(a, a + step)
+                torch.mm(xs[b], w.T, out=logits[b])
+                logq = torch.log_softmax(logits[b], -1, dtype=torch.float32)  # one pass: cast, normalize
+                lse[b] = logits[b, 0].float() - logq[:, 0]
+                picked[b] = logq.gather(1, ids[b])
+                best[b] = logq.max(-1).indices
         ctx.save_for_backward(xs, w, ids, lse, logits)
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
         ctx.mark_non_differentiable(best)
@@ -47,7 +48,8 @@ class _PickedLogSoftmax(torch.autograd.Function):
     def backward(ctx, grad, _best):
         # d picked[r, j] / d z[r] = onehot(ids[r, j]) - softmax(z[r]), so
         # dz[r] = scatter(grad[r] at ids[r]) - softmax(z[r]) * grad[r].sum()
-        xs, w, ids, lse, dz = ctx.saved_tensors  # dz: the logits' buffer, overwritten block by block
+        # dz: the logits' buffer, overwritten block by block (so one backward per forward, as training runs)
+        xs, w, ids, lse, dz = ctx.saved_tensors
         gx = torch.empty(xs.shape, dtype=ctx.x_dtype, device=xs.device)
         step = _block(xs)
         for a in range(0, len(xs), step):
