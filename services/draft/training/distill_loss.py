@@ -61,9 +61,10 @@ class _PickedLogSoftmax(torch.autograd.Function):
         return gx, (dz.T @ xs).to(ctx.w_dtype), None, None
 
 
-def picked_log_softmax(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor,
-                       dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+def picked_log_softmax(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """log_softmax(x @ weight.T).gather(1, ids) and its argmax, without the [R, V] tensors:
     x [R, hidden], weight [V, hidden], ids [R, k] long -> ([R, k] float32, [R] long); the
-    matmuls in `dtype` (bfloat16 where the trainer's autocast would run them in it)."""
+    matmuls in the dtype autocast would run a linear in there (float32 where it is off)."""
+    kind = x.device.type
+    dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else torch.float32
     return _PickedLogSoftmax.apply(x, weight, ids, dtype)

@@ -171,7 +171,7 @@ def step_losses(head: FeatureHead, outs: list[torch.Tensor], batch: Batch) -> li
         ok = batch.row_t >= s  # positions whose input state exists at this step
         x = head.final_norm(out.flatten(0, 1)[batch.rows[ok]])  # [R, hidden]
         p, ids = batch.teacher_p[ok], batch.teacher_ids[ok]
-        picked, best = picked_log_softmax(x, head.lm_head.weight, ids, _matmul_dtype(x))  # [R, k], [R]
+        picked, best = picked_log_softmax(x, head.lm_head.weight, ids)  # [R, k], [R]
         loss = -(p * picked).sum(-1).mean()
         with torch.no_grad():
             top1 = (head.d2t[best] == batch.teacher_top1[ok]).float().mean()
@@ -305,12 +305,6 @@ def choose_precision(head: FeatureHead, embed: torch.Tensor, probe: Callable[[],
     head.zero_grad(set_to_none=True)
     log.info("a training step's forward and backward: %s", ", ".join(f"{k} {v:.2f} s" for k, v in best.items()))
     return min(best, key=best.get)
-
-
-def _matmul_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype autocast runs a matmul on x's device in (float32 where it is off)."""
-    kind = x.device.type
-    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else torch.float32
 
 
 def _autocast(device: str, precision: str):
