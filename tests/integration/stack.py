@@ -6,6 +6,7 @@ orchestrator would restart it."""
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -20,10 +21,25 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 REPO = Path(__file__).resolve().parents[2]
 
 
+# Below Linux's ephemeral range (32768-60999): a port the kernel hands out for bind(0) can be taken
+# by any outgoing connection (a service dialling another) before the service binds it.
+_PORTS = range(20000, 32768)
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port nothing holds now and this process has not handed out before."""
+    while True:
+        port = random.choice(_PORTS)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
 
 
 def grpc_health(addr: str, timeout: float = 1.0) -> int | None:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.stack import free_port
 from tests.integration.topology import LONG, complete, record, stream_completion
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,14 +32,7 @@ ROLES = ("verifier", "draft", "scheduler", "gateway")
 
 
 def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    return [free_port() for _ in range(n)]
 
 
 def processes_with(marker: str) -> list[int]:
