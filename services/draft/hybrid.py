@@ -1,15 +1,16 @@
 """The feature head and the n-gram lookup behind one draft (`--draft PATH+ngram`).
 
 Per request and step:
-- the n-gram's tree alone when its best match is long (a verbatim copy the head would have to
-  predict token by token): its first-token confidence is the length-weighted share of its
-  matches (services/draft/ngram.py), 0.9 from a match of 9 tokens on, where its first proposed
-  token was right 93-98% of the time. The head then drafts nothing and only holds the target's
-  states, which it reads in one forward at its next draft (a long verbatim match may plan k = 16,
-  which the head would otherwise draft level by level for nothing);
+- the n-gram's tree alone when its matches agree (a copy the head would have to predict token by
+  token): its first-token confidence is the length-weighted share of its matches
+  (services/draft/ngram.py), at least 0.67 for one match of the 2 tokens it needs, lower only
+  where matches disagree. The head then drafts nothing and only holds the target's states, which
+  it reads in one forward at its next draft. Taking the n-gram alone only from 0.9 (a match of 9
+  tokens) on ran 2-3% slower: the head's draft and its rows cost more than the tokens it adds
+  beside a match (BENCHMARKS.md, "The hybrid on an AMD EPYC");
 - else, for a greedy request, one tree holding both (`union`): the nodes of either whose path
-  confidence is highest, within the step's node budget, so a shorter match still drafts where the
-  head is unsure (translation, summaries) and the trim prices every node the same way;
+  confidence is highest, within the step's node budget, so matches that disagree still draft
+  and the trim prices every node the same way;
 - else (sampling) the head's tree, or the n-gram's where the head has none: a sampled node's q
   must be the distribution it was drawn from, which a second source's sibling would break.
 Every choice depends on the context alone (never on what the head sampled), so q stays exact.
@@ -22,7 +23,7 @@ from services.draft.head_proposer import HeadProposer
 from services.draft.ngram import NgramProposer
 from services.draft.proposer import ProposeItem, Proposer
 
-LONG_MATCH = 0.9  # the n-gram's first-token confidence from which its tree is used alone
+LONG_MATCH = 0.6  # the n-gram's first-token confidence from which its tree is used alone
 
 
 def union(a: DraftTree, b: DraftTree, budget: int) -> DraftTree:

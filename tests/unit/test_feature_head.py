@@ -153,10 +153,11 @@ def test_checkpoint_round_trip_and_vocabulary_check(target, tmp_path, tiny_targe
 
 
 def test_hybrid_takes_the_ngram_on_long_matches_and_stays_lossless(target):
-    """Long matches: the n-gram alone; short ones: both in one tree (greedy); none: the head."""
+    """Long matches: the n-gram alone; short ones: both in one tree (greedy); none: the head. (A
+    threshold of 0.9, so that this tiny model's short matches take the union's branch too.)"""
     from services.draft.hybrid import HybridProposer
 
-    hybrid = HybridProposer(tiny.head_proposer(target, tiny.make_head(target)))
+    hybrid = HybridProposer(tiny.head_proposer(target, tiny.make_head(target)), long_match=0.9)
     loop = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16]
     prompts = [loop * 3, [5, 9, 11, 3, 7], [20, 21, 5, 30, 20, 21, 6, 31, 20]]
     params = SamplingParams(max_tokens=20, ignore_eos=True)
