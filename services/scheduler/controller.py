@@ -101,32 +101,67 @@ class DraftController:
         # The nodes every request's verified trees held and the draft tokens accepted (decayed):
         # each request's prior for its own nodes per token.
         self.shared_kept = self.shared_hits = 0.0
+        # Arms: a request's steps of one kind (e.g. whether its end recurs, where a lookup in the
+        # draft matches) keep their own estimates under a key of their own; arm_of says which arm
+        # each request's step is in, from `choose` to `observe`.
+        self.arm_of: dict[str, str] = {}
+        self.arms: dict[str, set[str]] = {}  # request -> its keys
+        self.greedy: dict[str, bool] = {}
 
     # -- requests ------------------------------------------------------------------------------
     def add(self, req_id: str, request_class: str = "default", greedy: bool = False) -> None:
         """A new request; `greedy`: its trees are known to be trimmable from the first step
         (trim.trimmable), so the planner prices its depth by drafting it and verifying the nodes
         the trim keeps for what it adds (policy.Candidate)."""
-        self.classes[req_id] = request_class
-        self.accept[req_id] = Acceptance(self.config.max_draft_length, self.priors(request_class))
+        self.arms[req_id], self.greedy[req_id] = {req_id}, greedy
+        self._add_key(req_id, request_class, greedy)
+
+    def _add_key(self, key: str, request_class: str, greedy: bool) -> None:
+        self.classes[key] = request_class
+        self.accept[key] = Acceptance(self.config.max_draft_length, self.priors(request_class))
         if greedy:
-            self.trimmed[req_id] = True
-        self.idle[req_id] = 0
+            self.trimmed[key] = True
+        self.idle[key] = 0
         self._planned_at = -math.inf  # a newcomer gets a plan at once
 
     def remove(self, req_id: str) -> None:
-        for d in (self.accept, self.classes, self.current, self.trimmed, self.scales, self.idle, self.probe_every,
-                  self.probing):
-            d.pop(req_id, None)
+        for key in self.arms.pop(req_id, {req_id}):
+            for d in (self.accept, self.classes, self.current, self.trimmed, self.scales, self.idle,
+                      self.probe_every, self.probing):
+                d.pop(key, None)
+        self.arm_of.pop(req_id, None)
+        self.greedy.pop(req_id, None)
+
+    def _key(self, req_id: str) -> str:
+        """Where this step's estimates of the request live: its arm's key (the request's own id
+        when it has no arm)."""
+        arm = self.arm_of.get(req_id)
+        if arm is None:
+            return req_id
+        key = f"{req_id}#{arm}"
+        if key not in self.accept and req_id in self.accept:
+            self.arms.setdefault(req_id, {req_id}).add(key)
+            self._add_key(key, self.classes[req_id], self.greedy.get(req_id, False))
+        return key
 
     # -- choosing -------------------------------------------------------------------------------
+    def set_arms(self, arms: dict[str, str]) -> None:
+        """The kind of step each request is in this step (the others: none), before `choose`."""
+        self.arm_of = dict(arms)
+
     def choose(self, caps: dict[str, int], contexts: dict[str, int] | None = None) -> dict[str, Decision]:
         """Draft length and tree budget per request, given each one's cap on k this step (what
         the request may still emit, the draft's context room) and the tokens it holds (default 0)."""
-        contexts = contexts or {}
         for rid in caps:
             if rid not in self.accept:
                 self.add(rid)
+        keys = {rid: self._key(rid) for rid in caps}
+        contexts = {keys[rid]: n for rid, n in (contexts or {}).items() if rid in keys}
+        return {rid: d for (rid, _), d in zip(caps.items(), self._choose(
+            {keys[rid]: cap for rid, cap in caps.items()}, contexts).values())}
+
+    def _choose(self, caps: dict[str, int], contexts: dict[str, int]) -> dict[str, Decision]:
+        """choose, over the arms' keys."""
         now = self.clock()
         due = (now - self._planned_at) * 1e3 >= self.config.adjust_interval_ms
         if due or any(rid not in self.current for rid in caps):
@@ -165,6 +200,7 @@ class DraftController:
         proposed). `contexts`: the tokens each tree's request holds (default 0); `context`: the
         whole batch's (StepShape.context). The planner then prices a trimmed request's depth by
         drafting it and verifying the nodes such trees keep for what they add (policy.Candidate)."""
+        rids = [self._key(rid) for rid in rids]
         adaptive = adaptive or [True] * len(trees)
         contexts = contexts or [0] * len(trees)
         which = [i for i, (t, g, a) in enumerate(zip(trees, greedy, adaptive)) if a and len(t) and trimmable(t, g)]
@@ -191,6 +227,7 @@ class DraftController:
     def observe_nodes(self, rid: str, tree: DraftTree, confidence: list[float], accepted_nodes: list[int]) -> None:
         """Learn node acceptance by confidence from one request's verified (trimmed) tree."""
         expected, passed = self.calibration.observe(tree, confidence, accepted_nodes)
+        rid = self._key(rid)
         if rid in self.accept:
             self.scales.setdefault(rid, RequestScale()).observe(expected, passed)
 
@@ -206,6 +243,7 @@ class DraftController:
         if not prefill:
             self.latency.observe(shape, draft_ms, verify_ms)
         for rid, (k, depth, accepted, output, kept) in outcomes.items():
+            rid = self._key(rid)
             acc = self.accept.get(rid)
             if acc is None:
                 continue

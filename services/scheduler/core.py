@@ -41,6 +41,11 @@ log = logging.getLogger(__name__)
 # verifier re-prefills it from its committed tokens) before it fails; one that has streamed
 # nothing fails at once, so that its caller can try another scheduler.
 HOLD_WITHOUT_VERIFIER_S = 60.0
+# A draft that proposes without a lookup match (a model, a feature head, the hybrid): whether the
+# request's last ARM_GRAM tokens occurred before splits its adaptive estimates in two (the
+# controller's arms): where the end recurs a lookup matches and a draft tends to copy well,
+# elsewhere it predicts; one estimate for both over-drafts the second kind.
+ARM_GRAM = 2
 
 
 @dataclass
@@ -290,10 +295,12 @@ class StepCore:
         controller (`held`: the tokens each holds); and the controller's choices, for metrics. A
         lookup draft is not asked where it has nothing to propose (its call would cost the step a
         round trip for an empty tree), and the controller plans only the requests it could serve."""
-        out, caps = {}, {}
+        out, caps, arms = {}, {}, {}
         room = self.drafts.max_positions if self.drafts is not None else None
         match = self.drafts.min_match if self.drafts is not None else 0
         for r in batch:
+            if self.drafts is not None and not match and r.fixed_k is None:
+                arms[r.req_id] = "recurs" if r.recurs(ARM_GRAM) else "new"
             k = r.draft_length if r.fixed_k is None else r.fixed_k
             if room is not None:  # a draft with a shorter context than the target stops drafting
                 k = min(k, room - len(r.tokens))
@@ -306,6 +313,8 @@ class StepCore:
             else:
                 out[r.req_id] = r.draft_budget(k)
         decisions = []
+        if self.controller is not None:
+            self.controller.set_arms(arms)
         if caps:
             for rid, d in self.controller.choose(caps, held).items():
                 out[rid] = (d.k, min(d.tree_size, MAX_TREE_NODES))

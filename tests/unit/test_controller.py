@@ -136,3 +136,31 @@ def test_a_draft_that_stops_early_is_priced_by_what_it_offers():
     assert ks[0] == 4  # the prior says every level pays
     tail = ks[-32:]  # depth 2 is re-tried as its failures fade toward the prior
     assert max(tail) <= 2 and tail.count(1) >= 24
+
+
+def test_arms_keep_their_own_estimates_and_go_with_the_request():
+    """A request whose draft is always right on one kind of step (say, where its end recurs) and
+    never on the other: with the steps in two arms it drafts deep on the first kind and rarely on
+    the second (its probes); pooled in one estimate (no arms), every step drafts alike."""
+    def drive(ctl: DraftController, arms: bool) -> dict[str, list[int]]:
+        ks = {"recurs": [], "new": []}
+        for step in range(160):
+            arm = "recurs" if step % 2 else "new"
+            ctl.set_arms({"r": arm} if arms else {})
+            k = ctl.choose({"r": 4})["r"].k
+            ks[arm].append(k)
+            accepted = k if arm == "recurs" else 0
+            ctl.observe(StepShape(1, 1 if k else 0, k, k), 0.0, 10.0 + 3.0 * k, {"r": (k, k, accepted, accepted + 1, k)})
+        return ks
+
+    ctl = controller(prior=0.5)
+    ctl.add("r")
+    ks = drive(ctl, arms=True)
+    assert min(ks["recurs"][-20:]) >= 3 and sum(k > 0 for k in ks["new"][-40:]) <= 4
+    assert set(ctl.accept) == {"r", "r#recurs", "r#new"}
+    ctl.remove("r")
+    assert not ctl.accept and not ctl.current and not ctl.idle
+    pooled = controller(prior=0.5)
+    pooled.add("r")
+    ks = drive(pooled, arms=False)
+    assert min(ks["new"][-20:]) >= 2  # the steps whose drafts all fail draft as deep as the others
