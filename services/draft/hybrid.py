@@ -6,7 +6,7 @@ Per request and step:
   (services/draft/ngram.py), at least 0.67 for one match of the 2 tokens it needs, lower only
   where matches disagree. The head then drafts nothing and only holds the target's states, which
   it reads in one forward at its next draft. Taking the n-gram alone only from 0.9 (a match of 9
-  tokens) on ran 2-3% slower: the head's draft and its rows cost more than the tokens it adds
+  tokens) on ran 2-4% slower: the head's draft and its rows cost more than the tokens it adds
   beside a match (BENCHMARKS.md, "The hybrid on an AMD EPYC");
 - else, for a greedy request, one tree holding both (`union`): the nodes of either whose path
   confidence is highest, within the step's node budget, so matches that disagree still draft
