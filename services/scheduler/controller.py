@@ -157,8 +157,8 @@ class DraftController:
                 self.add(rid)
         keys = {rid: self._key(rid) for rid in caps}
         contexts = {keys[rid]: n for rid, n in (contexts or {}).items() if rid in keys}
-        return {rid: d for (rid, _), d in zip(caps.items(), self._choose(
-            {keys[rid]: cap for rid, cap in caps.items()}, contexts).values())}
+        chosen = self._choose({keys[rid]: cap for rid, cap in caps.items()}, contexts)
+        return {rid: chosen[key] for rid, key in keys.items()}
 
     def _choose(self, caps: dict[str, int], contexts: dict[str, int]) -> dict[str, Decision]:
         """choose, over the arms' keys."""
